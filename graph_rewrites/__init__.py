@@ -1,0 +1,74 @@
+"""The LoRA pattern library: pure FX passes over Dynamo-captured graphs.
+
+Depends on torch alone.  Kernels are named through ``torch.ops.xla_lora.*``,
+which ``xla_lora_pass.ops`` registers before any pass runs.  Graph invariants
+are written down in README.md beside this file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Dict, List, Mapping, Tuple
+
+import torch.fx as fx
+
+from .annotations import (LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, TOKEN_INDICES, GraphInputRequest,
+                          LoRAWeightRef)
+from .fx_utils import drop_none_bias, remove_eval_dropout
+from .lora_linear import rewrite_lora_linear
+from .report import NearMiss, RewriteContext, RewriteReport, SiteRewrite
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """As ``torch.fx.passes.infra.pass_manager.PassResult``: the module and whether it changed."""
+
+    graph_module: fx.GraphModule
+    modified: bool
+
+
+def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
+    removed = remove_eval_dropout(gm)
+    return (drop_none_bias(gm) + removed) > 0
+
+
+# name -> pass, in the order they run.  ``normalize`` strips identities the
+# patterns would otherwise need variants for (eval dropout, a None bias).
+PASSES: List[Tuple[str, Callable[[fx.GraphModule, RewriteContext], bool]]] = [
+    ("normalize", _normalize),
+    ("lora_linear", rewrite_lora_linear),
+]
+
+
+def run_passes(gm: fx.GraphModule, ctx: RewriteContext, enabled: Mapping[str, bool]) -> PassResult:
+    """Run every enabled pass over ``gm`` in place, in order; lint and recompile once at the end."""
+    modified = False
+    for name, fn in PASSES:
+        if not enabled.get(name, True):
+            continue
+        changed = fn(gm, ctx)
+        log.debug("pass %s: %s", name, "modified" if changed else "no change")
+        modified |= changed
+    if modified:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
+def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, LoRAWeightRef]:
+    """LoRA weight placeholders still used by the graph: the layers left computing eagerly."""
+    left: Dict[str, LoRAWeightRef] = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        ref = node.meta.get(LORA_WEIGHT)
+        if ref is not None and node.users:
+            left[ref.site] = ref
+    return left
+
+
+__all__ = [
+    "LORA_INPUT", "LORA_WEIGHT", "STACKED_A", "STACKED_B", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
+    "NearMiss", "PASSES", "PassResult", "RewriteContext", "RewriteReport", "SiteRewrite", "run_passes",
+    "unrewritten_lora_weights",
+]

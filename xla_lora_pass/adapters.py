@@ -1,0 +1,125 @@
+"""Find the LoRA layers of a model and read each adapter's weights.
+
+PEFT keeps one module per LoRA site (``peft.tuners.lora.LoraLayer``) with a
+``lora_A`` / ``lora_B`` pair per adapter name (``lora_embedding_A`` /
+``lora_embedding_B`` for embeddings) and a float ``scaling`` per adapter that
+already folds in rsLoRA.  This module turns that into plain records, so the
+rest of the package never touches PEFT types.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class AdapterWeights:
+    """One adapter at one site, in vLLM layout: A ``[r, in]``, B ``[out, r]``."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+    bias: Optional[torch.Tensor] = None  # PEFT lora_bias=True: B's bias, [out]
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+
+@dataclasses.dataclass
+class SiteSpec:
+    """A LoRA layer of the model: its module path, kind and every adapter on it."""
+
+    name: str
+    kind: str  # "linear" or "embedding"
+    in_features: int
+    out_features: int
+    adapters: Dict[str, AdapterWeights]
+    # Why this site can never be rewritten (DoRA, ...); None if it can.
+    unsupported: Optional[str] = None
+    # id(parameter) -> (adapter name, role): how graph inputs are traced back here.
+    param_roles: Dict[int, Tuple[str, str]] = dataclasses.field(default_factory=dict)
+
+
+def _peft_lora_layer_type():
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft is optional: hand-written modules need no PEFT
+        return None
+    return LoraLayer
+
+
+def _unsupported_reason(module, adapter: str) -> Optional[str]:
+    use_dora = getattr(module, "use_dora", {}) or {}
+    if use_dora.get(adapter, False):
+        return "DoRA: the output is rescaled by a per-column weight norm of W + BA"
+    variants = getattr(module, "lora_variant", {}) or {}
+    if adapter in variants:
+        return f"LoRA variant {type(variants[adapter]).__name__} changes the forward"
+    return None
+
+
+def _linear_site(name: str, module) -> SiteSpec:
+    adapters: Dict[str, AdapterWeights] = {}
+    roles: Dict[int, Tuple[str, str]] = {}
+    unsupported = None
+    for adapter, lin_a in module.lora_A.items():
+        lin_b = module.lora_B[adapter]
+        adapters[adapter] = AdapterWeights(
+            lora_a=lin_a.weight, lora_b=lin_b.weight, scaling=float(module.scaling[adapter]),
+            bias=getattr(lin_b, "bias", None),
+        )
+        roles[id(lin_a.weight)] = (adapter, "A")
+        roles[id(lin_b.weight)] = (adapter, "B")
+        if getattr(lin_b, "bias", None) is not None:
+            roles[id(lin_b.bias)] = (adapter, "bias")
+        unsupported = unsupported or _unsupported_reason(module, adapter)
+    any_a = next(iter(adapters.values())).lora_a
+    any_b = next(iter(adapters.values())).lora_b
+    return SiteSpec(name, "linear", any_a.shape[1], any_b.shape[0], adapters, unsupported, roles)
+
+
+def _embedding_site(name: str, module) -> SiteSpec:
+    adapters: Dict[str, AdapterWeights] = {}
+    roles: Dict[int, Tuple[str, str]] = {}
+    unsupported = None
+    for adapter, emb_a in module.lora_embedding_A.items():
+        emb_b = module.lora_embedding_B[adapter]
+        # PEFT stores A as [r, vocab] and B as [dim, r]: already [r, in] / [out, r].
+        adapters[adapter] = AdapterWeights(emb_a, emb_b, float(module.scaling[adapter]))
+        roles[id(emb_a)] = (adapter, "A")
+        roles[id(emb_b)] = (adapter, "B")
+        unsupported = unsupported or _unsupported_reason(module, adapter)
+    any_a = next(iter(adapters.values())).lora_a
+    any_b = next(iter(adapters.values())).lora_b
+    return SiteSpec(name, "embedding", any_a.shape[1], any_b.shape[0], adapters, unsupported, roles)
+
+
+def iter_lora_sites(model: torch.nn.Module) -> Iterator[SiteSpec]:
+    """Yield a :class:`SiteSpec` for every PEFT LoRA layer holding at least one adapter."""
+    lora_layer = _peft_lora_layer_type()
+    if lora_layer is None:
+        return
+    for name, module in model.named_modules():
+        if not isinstance(module, lora_layer):
+            continue
+        if len(getattr(module, "lora_embedding_A", {})) > 0:
+            yield _embedding_site(name, module)
+        elif len(getattr(module, "lora_A", {})) > 0:
+            yield _linear_site(name, module)
+
+
+def adapter_names(model: torch.nn.Module) -> list:
+    """Adapter names in the order the model knows them (PEFT's ``peft_config`` order)."""
+    config = getattr(model, "peft_config", None)
+    if config:
+        return list(config.keys())
+    names: list = []
+    for site in iter_lora_sites(model):
+        names.extend(a for a in site.adapters if a not in names)
+    return names

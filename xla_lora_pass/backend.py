@@ -1,0 +1,208 @@
+"""``make_backend``: the ``torch.compile`` backend that rewrites, buckets and compiles.
+
+Per Dynamo graph: rewrite a copy (``rewrite.py``), read its symbolic shapes
+(``bucketing.py``), and return a callable that, per call, checks the token
+mapping, pads the inputs to the bucket, feeds the metadata's token indices
+and stacked weights as extra graph inputs, runs the one static program
+compiled for that bucket by the inner backend, and slices the outputs back.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from graph_rewrites import LORA_INPUT, STACKED_A, STACKED_B, TOKEN_INDICES, RewriteReport
+from graph_rewrites.fx_utils import example_value
+
+from . import config
+from .bucketing import Buckets, GraphShapes
+from .dump import dump_graphs
+from .metadata import NO_LORA, LoRAMetadata
+from .rewrite import copy_graph_module, rewrite
+
+log = logging.getLogger(__name__)
+
+
+class UnsupportedMappingError(ValueError):
+    """The token mapping asks for something this compiled graph cannot compute exactly."""
+
+
+def _inner_compiler(inner: Union[str, Callable, None], example_inputs: Sequence) -> Callable:
+    if inner is None:
+        on_xla = any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in example_inputs)
+        inner = "openxla" if on_xla else "aot_eager"
+    if isinstance(inner, str):
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend(inner)
+    return inner
+
+
+class LoRABackend:
+    """The callable handed to ``torch.compile(backend=...)``."""
+
+    def __init__(self, meta: LoRAMetadata, buckets: Optional[Buckets] = None,
+                 inner: Union[str, Callable, None] = None, batch_buckets: Optional[Buckets] = None):
+        self.meta = meta
+        self.buckets = buckets if buckets is not None else Buckets.pow2(min=8, max=meta.max_num_tokens)
+        # Leading token dims (the batch of a [B, S] model) start at 1: a batch
+        # of 2 padded to 8 would cost 4x for nothing.
+        self.batch_buckets = batch_buckets if batch_buckets is not None else Buckets.pow2(min=1, max=self.buckets.max)
+        self.inner = inner
+        self.graphs: List["CompiledLoRAGraph"] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
+        new_gm, report = rewrite(gm, example_inputs, self.meta)
+        for pattern, n in report.counts().items():
+            self.meta._count("rewrites", pattern, n)
+        if report.error:
+            self.meta._count("fallbacks")
+        log.info("graph %d: %s", len(self.graphs), report.format())
+        if config.dump_dir:
+            dump_graphs(config.dump_dir, gm, new_gm, report)
+        compiled = CompiledLoRAGraph(self, new_gm, report, len(example_inputs),
+                                     _inner_compiler(self.inner, example_inputs))
+        self.graphs.append(compiled)
+        return compiled
+
+    def precompile(self, example_args_for: Callable[[int], Sequence], sizes: Optional[Sequence[int]] = None,
+                   progress: bool = True) -> int:
+        """Compile every bucket ahead of serving; see ``CompiledLoRAGraph.precompile``."""
+        done = 0
+        for graph in self.graphs:
+            done += graph.precompile(sizes, progress=progress)
+        return done
+
+
+class CompiledLoRAGraph:
+    """One rewritten Dynamo graph and its per-bucket programs."""
+
+    def __init__(self, backend: LoRABackend, gm: fx.GraphModule, report: RewriteReport, num_args: int,
+                 inner: Callable):
+        self.backend = backend
+        self.meta = backend.meta
+        self.gm = gm
+        self.report = report
+        self.num_args = num_args
+        self.inner = inner
+        self.extra_requests = [n.meta[LORA_INPUT] for n in gm.graph.find_nodes(op="placeholder")
+                               if LORA_INPUT in n.meta]
+        layout = report.sites[0].x_shape[:-1] if report.sites and report.sites[0].x_shape else None
+        self.shapes = GraphShapes.analyze(gm, num_args, layout)
+        if self.shapes.not_bucketable:
+            log.info("graph compiled per exact shape: %s", self.shapes.not_bucketable)
+        from graph_rewrites import unrewritten_lora_weights
+
+        self.leftovers = unrewritten_lora_weights(gm)
+        self.programs: Dict[tuple, Callable] = {}
+
+    # ---------------------------------------------------------------- checks
+    def _check_mapping(self, token_dims) -> None:
+        mapping = self.meta.mapping()
+        if self.report.sites:
+            if mapping is None:
+                raise UnsupportedMappingError(
+                    "no token mapping: call meta.set_token_adapters([...]) before running the compiled model")
+            want = math.prod(token_dims)
+            if mapping.numel() != want:
+                raise UnsupportedMappingError(
+                    f"the token mapping has {mapping.numel()} entries but this call has {want} tokens "
+                    f"(token dims {list(token_dims)}); set one entry per flattened token")
+        if self.leftovers and mapping is not None:
+            self._check_uniform(mapping)
+
+    def _check_uniform(self, mapping: torch.Tensor) -> None:
+        """Layers left alone compute their active adapter for every token: accept only that."""
+        active = {ref.adapter for ref in self.leftovers.values()}
+        slots = {self.meta.slots.index(a) if a in self.meta.slots else None for a in active}
+        values = set(mapping.unique().tolist())
+        if len(slots) == 1 and None not in slots and values == slots:
+            return
+        reasons = {n.site: n.reason for n in self.report.near_misses}
+        layers = "; ".join(f"{site} (adapter {ref.adapter!r}): {reasons.get(site, 'not rewritten')}"
+                           for site, ref in sorted(self.leftovers.items()))
+        raise UnsupportedMappingError(
+            f"this compiled graph holds LoRA layers that were not rewritten, which compute the active "
+            f"adapter {sorted(active)} for every token, so it only accepts a mapping with every token on "
+            f"that adapter; got slots {sorted(values)}. Layers: {layers}")
+
+    # ------------------------------------------------------------------- call
+    def __call__(self, *args):
+        args = list(args[: self.num_args]) if len(args) > self.num_args else list(args)
+        bindings = self.shapes.bind(args)
+        token_dims = self.shapes.token_dims(bindings)
+        self._check_mapping(token_dims)
+        padded = self._padded_bindings(bindings)
+        key = tuple(padded[s] for s in self.shapes.padded_symbols) if not self.shapes.not_bucketable else \
+            tuple(sorted((str(k), v) for k, v in bindings.items()))
+        call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
+        padded_dims = self.shapes.token_dims(padded)
+        device = _first_device(args)
+        extras = self._extra_inputs(device, token_dims, padded_dims)
+        program = self.programs.get(key)
+        if program is None:
+            program = self._compile(key, call_args + extras)
+        self.meta._count("bucket_hits", key)
+        if token_dims is not None:
+            self.meta._count("real_tokens", n=math.prod(token_dims))
+            self.meta._count("padded_tokens", n=math.prod(padded_dims) - math.prod(token_dims))
+        outs = program(*call_args, *extras)
+        return self.shapes.slice_outputs(outs, bindings) if padded != bindings else outs
+
+    def _padded_bindings(self, bindings):
+        if self.shapes.not_bucketable:
+            return dict(bindings)
+        padded = dict(bindings)
+        layout = self.shapes.token_layout
+        innermost = layout[-1] if layout else None
+        for sym in self.shapes.padded_symbols:
+            policy = self.backend.buckets if (layout is None or sym == innermost) else self.backend.batch_buckets
+            padded[sym] = policy.pad(bindings[sym])
+        if layout is not None:
+            total = math.prod(int(d) if isinstance(d, int) else padded[d] for d in layout)
+            if total > self.meta.max_num_tokens:
+                raise ValueError(f"{total} padded tokens (real: "
+                                 f"{math.prod(int(d) if isinstance(d, int) else bindings[d] for d in layout)}) "
+                                 f"exceed max_num_tokens={self.meta.max_num_tokens}")
+        return padded
+
+    def _extra_inputs(self, device, token_dims, padded_dims) -> List[torch.Tensor]:
+        extras = []
+        for req in self.extra_requests:
+            if req.kind == TOKEN_INDICES:
+                extras.append(self.meta.token_indices(device, token_dims, padded_dims))
+            elif req.kind in (STACKED_A, STACKED_B):
+                stacked = self.meta.stacked_weights(req.site, device)
+                extras.append(stacked[0] if req.kind == STACKED_A else stacked[1])
+            else:
+                raise AssertionError(f"unknown graph input request {req}")
+        return extras
+
+    def _compile(self, key, example_args) -> Callable:
+        log.info("compiling program for bucket %s", key)
+        program = self.inner(copy_graph_module(self.gm), list(example_args))
+        self.programs[key] = program
+        self.meta._count("compiles")
+        return program
+
+    def precompile(self, sizes=None, progress: bool = True) -> int:
+        """Not available per graph yet (needs example inputs); see LoRABackend.precompile."""
+        return 0
+
+
+def _first_device(args) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def make_backend(meta: LoRAMetadata, buckets: Optional[Buckets] = None, inner: Union[str, Callable, None] = None,
+                 batch_buckets: Optional[Buckets] = None) -> LoRABackend:
+    """The backend for ``torch.compile(model, backend=make_backend(meta))``."""
+    return LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets)

@@ -1,0 +1,333 @@
+"""``LoRAMetadata``: the one object that says which adapter each token uses.
+
+It owns, for every registered LoRA site, the per-slot stacked weights
+(A ``[N, R, in]``, B ``[N, out, R]`` with each adapter's scaling folded into
+B, ranks zero-padded to the site's max rank, which is exact), and the int32
+token indices of the current step (-1 = base model only).  Compiled graphs
+receive both as graph inputs, so a new mapping or new adapter weights never
+recompile anything.
+
+Host first, device once: the mapping is built on the host and copied to the
+device once per step in one transfer (an in-place update of an XLA tensor
+would be a lazy op, i.e. one more XLA program to compile).
+
+Thread safety: one ``LoRAMetadata`` serves one serving loop.  Setting a
+mapping or loading an adapter while another thread runs the compiled model
+with the same object is not safe; two objects share no state.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import types
+import warnings
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
+
+log = logging.getLogger(__name__)
+
+NO_LORA = -1
+TokenAdapter = Union[str, int, None]
+
+
+class LoRAMetadata:
+    """Shared multi-LoRA state: slots, stacked weights and token indices."""
+
+    def __init__(self, max_num_tokens: int = 8192, *, max_slots: Optional[int] = None,
+                 max_rank: Optional[int] = None):
+        if max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+        self.max_num_tokens = int(max_num_tokens)
+        self.max_slots = max_slots
+        self.max_rank = max_rank
+        self._slots: List[Optional[str]] = []
+        self._sites: Dict[str, SiteSpec] = {}
+        self._param_index: Dict[int, Tuple[str, str, str]] = {}
+        self._host_stacks: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._device_stacks: Dict[Tuple[str, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mapping: Optional[torch.Tensor] = None
+        self._index_cache: Dict[tuple, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._stats = {
+            "compiles": 0,
+            "rewrites": {},
+            "bucket_hits": {},
+            "fallbacks": 0,
+            "padded_tokens": 0,
+            "real_tokens": 0,
+        }
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def slots(self) -> List[Optional[str]]:
+        """Slot names by slot number (None for a free slot)."""
+        return list(self._slots)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def sites(self) -> Mapping[str, SiteSpec]:
+        return types.MappingProxyType(self._sites)
+
+    def slot_of(self, adapter: str) -> int:
+        """The slot number of a registered adapter name."""
+        try:
+            return self._slots.index(adapter)
+        except ValueError:
+            raise KeyError(
+                f"unknown adapter {adapter!r}; registered: {[s for s in self._slots if s is not None]}"
+            ) from None
+
+    def register_adapters(self, model: torch.nn.Module) -> List[str]:
+        """Stack every loaded adapter of every LoRA layer of ``model``; return slot names.
+
+        Registering again replaces what was registered before.
+        """
+        sites = list(iter_lora_sites(model))
+        if not sites:
+            warnings.warn(
+                f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
+                stacklevel=2,
+            )
+        names = adapter_names(model) if sites else []
+        num_slots = self.max_slots if self.max_slots is not None else len(names)
+        if len(names) > num_slots:
+            raise ValueError(f"{len(names)} adapters {names} do not fit max_slots={num_slots}")
+        with self._lock:
+            self._slots = list(names) + [None] * (num_slots - len(names))
+            self._sites = {s.name: s for s in sites}
+            self._param_index = {
+                pid: (s.name, adapter, role) for s in sites for pid, (adapter, role) in s.param_roles.items()
+            }
+            self._host_stacks = {s.name: self._stack_site(s) for s in sites}
+            self._device_stacks.clear()
+        log.info("registered %d LoRA sites, slots %s", len(sites), self._slots)
+        return list(names)
+
+    def _site_rank(self, site: SiteSpec) -> int:
+        ranks = [w.rank for w in site.adapters.values()]
+        return max(ranks + [self.max_rank or 1])
+
+    def _stack_site(self, site: SiteSpec) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Host stacks of one site; slots whose adapter is absent here stay zero."""
+        any_w = next(iter(site.adapters.values()))
+        dtype = any_w.lora_a.dtype
+        rank = self._site_rank(site)
+        stack_a = torch.zeros(self.num_slots, rank, site.in_features, dtype=dtype)
+        stack_b = torch.zeros(self.num_slots, site.out_features, rank, dtype=dtype)
+        for slot, name in enumerate(self._slots):
+            if name in site.adapters:
+                self._write_slot(stack_a, stack_b, slot, site.adapters[name])
+        return stack_a, stack_b
+
+    @staticmethod
+    def _write_slot(stack_a, stack_b, slot: int, w: AdapterWeights) -> None:
+        r = w.rank
+        with torch.no_grad():
+            stack_a[slot].zero_()
+            stack_b[slot].zero_()
+            stack_a[slot, :r] = w.lora_a.detach().to("cpu", stack_a.dtype)
+            # Folding the scaling into B lets every adapter keep its own alpha/r.
+            stack_b[slot, :, :r] = (w.lora_b.detach().to("cpu", torch.float32) * w.scaling).to(stack_b.dtype)
+
+    def load_adapter(self, name: str, state: Mapping[str, torch.Tensor], *, scaling: Optional[float] = None,
+                     config=None) -> int:
+        """Load one adapter's weights into its slot (or the first free one); never recompiles.
+
+        ``state`` is a PEFT-style state dict (``<site>.lora_A.weight`` /
+        ``<site>.lora_B.weight``, an adapter name may stand before ``.weight``).
+        The scaling comes from ``scaling`` or from a PEFT ``LoraConfig``.
+        """
+        if not self._sites:
+            raise RuntimeError("load_adapter: call register_adapters(model) first")
+        per_site = _split_state(state, self._sites)
+        weights: Dict[str, AdapterWeights] = {}
+        for site_name, (lora_a, lora_b) in per_site.items():
+            site = self._sites[site_name]
+            stack_a, _ = self._host_stacks[site_name]
+            self._check_loaded(site, stack_a, lora_a, lora_b)
+            weights[site_name] = AdapterWeights(lora_a, lora_b, _scaling_for(name, lora_a.shape[0], scaling, config))
+        with self._lock:
+            if name in self._slots:
+                slot = self._slots.index(name)
+            elif None in self._slots:
+                slot = self._slots.index(None)
+            else:
+                raise ValueError(
+                    f"load_adapter({name!r}): all {self.num_slots} slots are taken by {self._slots}; "
+                    "create the metadata with a larger max_slots"
+                )
+            self._slots[slot] = name
+            for site_name, (stack_a, stack_b) in self._host_stacks.items():
+                if site_name in weights:
+                    self._write_slot(stack_a, stack_b, slot, weights[site_name])
+                else:
+                    stack_a[slot].zero_()
+                    stack_b[slot].zero_()
+            # Fresh transfers rather than in-place device writes: no XLA program to compile.
+            for key in list(self._device_stacks):
+                site_name, device = key
+                stack_a, stack_b = self._host_stacks[site_name]
+                self._device_stacks[key] = (stack_a.to(device), stack_b.to(device))
+        return slot
+
+    @staticmethod
+    def _check_loaded(site: SiteSpec, stack_a: torch.Tensor, lora_a, lora_b) -> None:
+        max_rank = stack_a.shape[1]
+        for what, t in (("lora_A", lora_a), ("lora_B", lora_b)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"{site.name}.{what}: expected a floating-point tensor, got {t!r:.80}")
+        r = lora_a.shape[0] if lora_a.dim() == 2 else -1
+        if lora_a.dim() != 2 or lora_a.shape[1] != site.in_features or not 1 <= r <= max_rank:
+            raise ValueError(
+                f"{site.name}.lora_A: expected [r, {site.in_features}] with 1 <= r <= {max_rank} "
+                f"(the site's stacked rank), got {list(lora_a.shape)}"
+            )
+        if list(lora_b.shape) != [site.out_features, r]:
+            raise ValueError(f"{site.name}.lora_B: expected {[site.out_features, r]}, got {list(lora_b.shape)}")
+
+    # -------------------------------------------------------- graph lookups
+    def lookup(self, tensor) -> Optional[Tuple[str, str, str]]:
+        """``(site, adapter, role)`` if ``tensor`` is a registered LoRA parameter."""
+        return self._param_index.get(id(tensor))
+
+    def site_rank(self, site_name: str) -> int:
+        return self._host_stacks[site_name][0].shape[1]
+
+    def stacked_weights(self, site_name: str, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The site's stacked (A, B) on ``device``, transferred once and cached."""
+        key = (site_name, str(device))
+        with self._lock:
+            if key not in self._device_stacks:
+                stack_a, stack_b = self._host_stacks[site_name]
+                self._device_stacks[key] = (stack_a.to(device), stack_b.to(device))
+            return self._device_stacks[key]
+
+    # --------------------------------------------------------------- mapping
+    def set_token_adapters(self, mapping: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
+        """Set each flattened token's adapter: a name, a slot number, or None / -1 for base."""
+        indices = self._to_indices(mapping)
+        with self._lock:
+            self._mapping = indices
+            self._index_cache.clear()
+
+    def _to_indices(self, mapping) -> torch.Tensor:
+        if isinstance(mapping, torch.Tensor):
+            if mapping.dim() != 1 or mapping.dtype.is_floating_point or mapping.dtype == torch.bool:
+                raise TypeError(f"set_token_adapters: expected a 1-d integer tensor, got {mapping.dtype} "
+                                f"{list(mapping.shape)}")
+            mapping = mapping.tolist()
+        elif isinstance(mapping, (str, bytes)) or not isinstance(mapping, Sequence):
+            raise TypeError(f"set_token_adapters: expected a sequence with one entry per token, got {mapping!r:.80}")
+        if len(mapping) > self.max_num_tokens:
+            raise ValueError(f"set_token_adapters: {len(mapping)} tokens exceed max_num_tokens={self.max_num_tokens}")
+        names = {name: slot for slot, name in enumerate(self._slots) if name is not None}
+        out = []
+        for pos, entry in enumerate(mapping):
+            if entry is None:
+                out.append(NO_LORA)
+            elif isinstance(entry, str):
+                if entry not in names:
+                    raise KeyError(f"set_token_adapters: token {pos}: unknown adapter {entry!r}; "
+                                   f"registered: {sorted(names)}")
+                out.append(names[entry])
+            elif isinstance(entry, int) and not isinstance(entry, bool):
+                if entry != NO_LORA and not (0 <= entry < self.num_slots and self._slots[entry] is not None):
+                    raise ValueError(f"set_token_adapters: token {pos}: slot {entry} is not a loaded slot; "
+                                     f"valid: -1 and {[s for s, n in enumerate(self._slots) if n is not None]}")
+                out.append(entry)
+            else:
+                raise TypeError(f"set_token_adapters: token {pos}: expected str, int or None, got {entry!r:.80}")
+        return torch.tensor(out, dtype=torch.int32)
+
+    @property
+    def num_tokens(self) -> Optional[int]:
+        """Length of the current mapping (None before the first ``set_token_adapters``)."""
+        return None if self._mapping is None else int(self._mapping.numel())
+
+    def mapping(self) -> Optional[torch.Tensor]:
+        """The current host int32 token indices."""
+        return self._mapping
+
+    def token_indices(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]) -> torch.Tensor:
+        """Device int32 indices ``[max_num_tokens]`` laid out for ``padded_dims``.
+
+        The mapping is row-major over ``real_dims``; padded positions and the
+        tail past the bucket get -1, so padding can never pick up an adapter.
+        """
+        key = (str(device), tuple(real_dims), tuple(padded_dims))
+        with self._lock:
+            cached = self._index_cache.get(key)
+            if cached is not None:
+                return cached
+            mapping = self._mapping
+            if mapping is None:
+                mapping = torch.full((math.prod(real_dims),), NO_LORA, dtype=torch.int32)
+            host = torch.full((self.max_num_tokens,), NO_LORA, dtype=torch.int32)
+            grid = torch.full(tuple(padded_dims), NO_LORA, dtype=torch.int32)
+            grid[tuple(slice(0, d) for d in real_dims)] = mapping.reshape(tuple(real_dims))
+            host[: grid.numel()] = grid.reshape(-1)
+            self._index_cache[key] = host.to(device)
+            return self._index_cache[key]
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def stats(self) -> Mapping:
+        """Counters: compiles, rewrites, bucket_hits, fallbacks, padded_token_fraction."""
+        out = dict(self._stats)
+        total = out["padded_tokens"] + out["real_tokens"]
+        out["padded_token_fraction"] = out["padded_tokens"] / total if total else 0.0
+        return types.MappingProxyType(out)
+
+    def _count(self, key: str, sub=None, n: int = 1) -> None:
+        with self._lock:
+            if sub is None:
+                self._stats[key] += n
+            else:
+                self._stats[key][sub] = self._stats[key].get(sub, 0) + n
+
+
+def _scaling_for(name: str, rank: int, scaling: Optional[float], config) -> float:
+    if scaling is not None:
+        return float(scaling)
+    if config is not None:
+        alpha = config.lora_alpha
+        return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
+    raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config=")
+
+
+def _split_state(state: Mapping[str, torch.Tensor], sites: Mapping[str, SiteSpec]):
+    """Group a PEFT-style state dict by site: {site: (A, B)}; unknown keys are errors."""
+    found: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        parts = key.split(".")
+        role_at = next((i for i, p in enumerate(parts) if p in ("lora_A", "lora_B", "lora_embedding_A",
+                                                                 "lora_embedding_B")), None)
+        is_embedding = role_at is not None and parts[role_at].startswith("lora_embedding")
+        if role_at is None or not (parts[-1] == "weight" or is_embedding):
+            raise KeyError(f"load_adapter: {key!r} is not a lora_A / lora_B weight")
+        prefix = ".".join(parts[:role_at])
+        site = _match_site(prefix, sites)
+        if site is None:
+            raise KeyError(f"load_adapter: {key!r} names no registered LoRA site")
+        role = "A" if parts[role_at].endswith("A") else "B"
+        found.setdefault(site, {})[role] = tensor
+    out = {}
+    for site, roles in found.items():
+        if set(roles) != {"A", "B"}:
+            raise KeyError(f"load_adapter: site {site!r} has {sorted(roles)} but needs both lora_A and lora_B")
+        out[site] = (roles["A"], roles["B"])
+    return out
+
+
+def _match_site(prefix: str, sites: Mapping[str, SiteSpec]) -> Optional[str]:
+    if prefix in sites:
+        return prefix
+    hits = [s for s in sites if s.endswith("." + prefix) or prefix.endswith("." + s)]
+    return hits[0] if len(hits) == 1 else None

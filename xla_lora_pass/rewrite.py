@@ -1,0 +1,102 @@
+"""``rewrite(gm, example_inputs, meta)``: the pass alone, on a copy of the graph.
+
+It ties the pure-FX pattern library to the metadata: placeholders whose
+example tensor is a registered LoRA parameter (found by identity) are
+annotated with a ``LoRAWeightRef`` before the passes run.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+import graph_rewrites
+from graph_rewrites import LORA_WEIGHT, LoRAWeightRef, NearMiss, RewriteContext, RewriteReport
+from graph_rewrites.fx_utils import example_value
+
+from . import config
+from . import ops  # noqa: F401  (registers torch.ops.xla_lora before any pass runs)
+from .metadata import LoRAMetadata
+
+log = logging.getLogger(__name__)
+
+
+class RewriteError(RuntimeError):
+    """The rewritten graph broke an invariant; the caller falls back to the original."""
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copied graph.
+
+    Dynamo reads its own placeholders' ``meta["grapharg"]`` after the backend
+    returns, so its graph must never be edited in place.
+    """
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> int:
+    """Mark each placeholder whose example tensor is a registered LoRA parameter."""
+    found = 0
+    for node, tensor in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        hit = meta.lookup(tensor)
+        if hit is None:
+            continue
+        site_name, adapter, role = hit
+        site = meta.sites[site_name]
+        weights = site.adapters[adapter]
+        node.meta[LORA_WEIGHT] = LoRAWeightRef(
+            site=site_name, adapter=adapter, role=role, kind=site.kind,
+            in_features=site.in_features, out_features=site.out_features, scaling=weights.scaling,
+            num_slots=meta.num_slots, stacked_rank=meta.site_rank(site_name), dtype=weights.lora_a.dtype,
+            unsupported=site.unsupported,
+        )
+        found += 1
+    return found
+
+
+def check_token_layout(report: RewriteReport) -> None:
+    """Every rewritten site must see the same token dims: the mapping has one layout."""
+    layouts = {tuple(str(d) for d in s.x_shape[:-1]) for s in report.sites if s.x_shape is not None}
+    if len(layouts) > 1:
+        raise RewriteError(f"rewritten sites disagree on the token dims: {sorted(layouts)}")
+
+
+def _report_leftovers(gm: fx.GraphModule, report: RewriteReport) -> None:
+    """Every LoRA layer still computing eagerly gets a near-miss entry with a reason."""
+    explained = {n.site for n in report.near_misses}
+    for site, ref in graph_rewrites.unrewritten_lora_weights(gm).items():
+        if site not in explained:
+            reason = ref.unsupported or "no pattern matched the computation around its LoRA weights"
+            report.near_misses.append(NearMiss(site, None, reason))
+
+
+def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> Tuple[fx.GraphModule, RewriteReport]:
+    """Rewrite every LoRA site of a copy of ``gm``; return the copy and the report."""
+    new_gm = copy_graph_module(gm)
+    annotate_lora_weights(new_gm, example_inputs, meta)
+    ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport())
+    try:
+        graph_rewrites.run_passes(new_gm, ctx, config.passes)
+        check_token_layout(ctx.report)
+    except Exception as exc:  # an unexpected graph must never cost a result
+        if not config.fallback_on_error:
+            raise
+        log.warning("LoRA rewrite failed, compiling the graph unrewritten: %s", exc, exc_info=True)
+        new_gm = copy_graph_module(gm)
+        annotate_lora_weights(new_gm, example_inputs, meta)
+        ctx.report = RewriteReport(error=f"{type(exc).__name__}: {exc}")
+    _report_leftovers(new_gm, ctx.report)
+    return new_gm, ctx.report
+
+
+def placeholder_values(gm: fx.GraphModule):
+    """The example value of every placeholder, in argument order."""
+    return [example_value(n) for n in gm.graph.find_nodes(op="placeholder")]
+
+
+__all__ = ["rewrite", "copy_graph_module", "annotate_lora_weights", "RewriteError", "placeholder_values"]
