@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -42,8 +43,31 @@ class SiteSpec:
     adapters: Dict[str, AdapterWeights]
     # Why this site can never be rewritten (DoRA, ...); None if it can.
     unsupported: Optional[str] = None
-    # id(parameter) -> (adapter name, role): how graph inputs are traced back here.
-    param_roles: Dict[int, Tuple[str, str]] = dataclasses.field(default_factory=dict)
+    module: Optional[torch.nn.Module] = dataclasses.field(default=None, repr=False)
+
+    def param_roles(self) -> Dict[int, Tuple[str, str]]:
+        """id(parameter) -> (adapter, role), read from the live module.
+
+        Read anew each time: ``model.to(xla_device)`` replaces Parameter
+        objects, so identities taken at registration would go stale.
+        """
+        if self.module is None:
+            return {}
+        return dict(_roles(self.module, self.kind))
+
+
+def _roles(module, kind: str) -> Iterator[Tuple[int, Tuple[str, str]]]:
+    if kind == "embedding":
+        for adapter, emb_a in module.lora_embedding_A.items():
+            yield id(emb_a), (adapter, "A")
+            yield id(module.lora_embedding_B[adapter]), (adapter, "B")
+        return
+    for adapter, lin_a in module.lora_A.items():
+        lin_b = module.lora_B[adapter]
+        yield id(lin_a.weight), (adapter, "A")
+        yield id(lin_b.weight), (adapter, "B")
+        if getattr(lin_b, "bias", None) is not None:
+            yield id(lin_b.bias), (adapter, "bias")
 
 
 def _peft_lora_layer_type():
@@ -66,7 +90,6 @@ def _unsupported_reason(module, adapter: str) -> Optional[str]:
 
 def _linear_site(name: str, module) -> SiteSpec:
     adapters: Dict[str, AdapterWeights] = {}
-    roles: Dict[int, Tuple[str, str]] = {}
     unsupported = None
     for adapter, lin_a in module.lora_A.items():
         lin_b = module.lora_B[adapter]
@@ -74,30 +97,21 @@ def _linear_site(name: str, module) -> SiteSpec:
             lora_a=lin_a.weight, lora_b=lin_b.weight, scaling=float(module.scaling[adapter]),
             bias=getattr(lin_b, "bias", None),
         )
-        roles[id(lin_a.weight)] = (adapter, "A")
-        roles[id(lin_b.weight)] = (adapter, "B")
-        if getattr(lin_b, "bias", None) is not None:
-            roles[id(lin_b.bias)] = (adapter, "bias")
         unsupported = unsupported or _unsupported_reason(module, adapter)
-    any_a = next(iter(adapters.values())).lora_a
-    any_b = next(iter(adapters.values())).lora_b
-    return SiteSpec(name, "linear", any_a.shape[1], any_b.shape[0], adapters, unsupported, roles)
+    any_w = next(iter(adapters.values()))
+    return SiteSpec(name, "linear", any_w.lora_a.shape[1], any_w.lora_b.shape[0], adapters, unsupported, module)
 
 
 def _embedding_site(name: str, module) -> SiteSpec:
     adapters: Dict[str, AdapterWeights] = {}
-    roles: Dict[int, Tuple[str, str]] = {}
     unsupported = None
     for adapter, emb_a in module.lora_embedding_A.items():
-        emb_b = module.lora_embedding_B[adapter]
         # PEFT stores A as [r, vocab] and B as [dim, r]: already [r, in] / [out, r].
-        adapters[adapter] = AdapterWeights(emb_a, emb_b, float(module.scaling[adapter]))
-        roles[id(emb_a)] = (adapter, "A")
-        roles[id(emb_b)] = (adapter, "B")
+        adapters[adapter] = AdapterWeights(emb_a, module.lora_embedding_B[adapter], float(module.scaling[adapter]))
         unsupported = unsupported or _unsupported_reason(module, adapter)
-    any_a = next(iter(adapters.values())).lora_a
-    any_b = next(iter(adapters.values())).lora_b
-    return SiteSpec(name, "embedding", any_a.shape[1], any_b.shape[0], adapters, unsupported, roles)
+    any_w = next(iter(adapters.values()))
+    return SiteSpec(name, "embedding", any_w.lora_a.shape[1], any_w.lora_b.shape[0], adapters, unsupported,
+                    module)
 
 
 def iter_lora_sites(model: torch.nn.Module) -> Iterator[SiteSpec]:
@@ -123,3 +137,15 @@ def adapter_names(model: torch.nn.Module) -> list:
     for site in iter_lora_sites(model):
         names.extend(a for a in site.adapters if a not in names)
     return names
+
+
+# Dynamo names a PEFT weight input e.g. L['self'].base_model...q_proj.lora_A['sql'].weight
+_LORA_SOURCE = re.compile(r"(?:^|\.)(lora_A|lora_B|lora_embedding_A|lora_embedding_B)\W+(\w+)")
+
+
+def lora_param_from_source(source_name: str) -> Optional[Tuple[str, str]]:
+    """(adapter, role) if a Dynamo input source names a PEFT LoRA weight, else None."""
+    m = _LORA_SOURCE.search(source_name)
+    if m is None:
+        return None
+    return m.group(2), ("A" if m.group(1).endswith("A") else "B")

@@ -102,9 +102,7 @@ class LoRAMetadata:
         with self._lock:
             self._slots = list(names) + [None] * (num_slots - len(names))
             self._sites = {s.name: s for s in sites}
-            self._param_index = {
-                pid: (s.name, adapter, role) for s in sites for pid, (adapter, role) in s.param_roles.items()
-            }
+            self.refresh_param_index()
             self._host_stacks = {s.name: self._stack_site(s) for s in sites}
             self._device_stacks.clear()
         log.info("registered %d LoRA sites, slots %s", len(sites), self._slots)
@@ -193,6 +191,17 @@ class LoRAMetadata:
             raise ValueError(f"{site.name}.lora_B: expected {[site.out_features, r]}, got {list(lora_b.shape)}")
 
     # -------------------------------------------------------- graph lookups
+    def refresh_param_index(self) -> None:
+        """Re-read parameter identities from the live modules.
+
+        ``model.to(xla_device)`` replaces Parameter objects, so identities
+        taken at registration go stale; the rewrite refreshes once per graph.
+        """
+        self._param_index = {
+            pid: (s.name, adapter, role) for s in self._sites.values()
+            for pid, (adapter, role) in s.param_roles().items()
+        }
+
     def lookup(self, tensor) -> Optional[Tuple[str, str, str]]:
         """``(site, adapter, role)`` if ``tensor`` is a registered LoRA parameter."""
         return self._param_index.get(id(tensor))

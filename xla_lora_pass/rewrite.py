@@ -7,7 +7,8 @@ annotated with a ``LoRAWeightRef`` before the passes run.
 from __future__ import annotations
 
 import logging
-from typing import Sequence, Tuple
+import re
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -17,6 +18,7 @@ from graph_rewrites import LORA_WEIGHT, LoRAWeightRef, NearMiss, RewriteContext,
 from graph_rewrites.fx_utils import example_value
 
 from . import config
+from .adapters import lora_param_from_source
 from . import ops  # noqa: F401  (registers torch.ops.xla_lora before any pass runs)
 from .metadata import LoRAMetadata
 
@@ -39,12 +41,39 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def _unregistered_ref(node: fx.Node) -> Optional[LoRAWeightRef]:
+    """A PEFT LoRA weight the metadata does not know, recognised by its Dynamo source name.
+
+    Left unmarked it would compute its adapter for every token behind the
+    mapping guard's back; marked, it is a near miss and the guard sees it.
+    """
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    hit = lora_param_from_source(source.name()) if source is not None else None
+    if hit is None:
+        return None
+    adapter, role = hit
+    site = re.sub(r"\.lora_(embedding_)?[AB]\b.*$", "", source.name())
+    return LoRAWeightRef(site=site, adapter=adapter, role=role, kind="unknown", in_features=0, out_features=0,
+                         scaling=float("nan"), num_slots=0, stacked_rank=0, dtype=torch.float32,
+                         unsupported=UNREGISTERED)
+
+
+UNREGISTERED = ("a LoRA weight this LoRAMetadata does not know: call meta.register_adapters(model) with "
+                "this model")
+
+
 def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> int:
-    """Mark each placeholder whose example tensor is a registered LoRA parameter."""
+    """Mark each placeholder whose example tensor is a LoRA parameter (registered or not)."""
     found = 0
+    meta.refresh_param_index()
     for node, tensor in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
         hit = meta.lookup(tensor)
         if hit is None:
+            ref = _unregistered_ref(node)
+            if ref is not None:
+                node.meta[LORA_WEIGHT] = ref
+                found += 1
             continue
         site_name, adapter, role = hit
         site = meta.sites[site_name]
@@ -83,6 +112,10 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) ->
     try:
         graph_rewrites.run_passes(new_gm, ctx, config.passes)
         check_token_layout(ctx.report)
+        if not ctx.report.sites:
+            # Nothing rewritten: hand back the graph exactly as it came, not the normalized one.
+            new_gm = copy_graph_module(gm)
+            annotate_lora_weights(new_gm, example_inputs, meta)
     except Exception as exc:  # an unexpected graph must never cost a result
         if not config.fallback_on_error:
             raise

@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+# torch_xla's C++ extension is built against one exact torch: pin both together.
+TORCH = ["torch==2.9.0", "torch_xla==2.9.0"]
+CLIENTS = ["transformers==4.57.1", "peft==0.17.1"]
+
+setup(
+    name="xla-lora-pass",
+    version="0.1.0",
+    description="A torch.compile backend that rewrites LoRA layers into fused BGMV calls on XLA",
+    packages=find_packages(include=["xla_lora_pass", "xla_lora_pass.*", "graph_rewrites", "graph_rewrites.*"]),
+    package_data={"graph_rewrites": ["README.md"]},
+    python_requires=">=3.10",
+    install_requires=TORCH + ["sympy"],
+    extras_require={
+        "demo": CLIENTS,
+        "test": CLIENTS + ["pytest", "hypothesis"],
+        "bench": CLIENTS + ["matplotlib"],
+    },
+    entry_points={
+        # torch.compile(m, backend="xla_lora") finds the backend without an import.
+        "torch_dynamo_backends": ["xla_lora = xla_lora_pass:xla_lora_backend"],
+        "console_scripts": ["xla-lora-dump = xla_lora_pass.dump:main"],
+    },
+)

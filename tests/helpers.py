@@ -1,0 +1,117 @@
+"""Shared test helpers: graph capture, golden files, and the one rewrite check."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+import xla_lora_pass as xlp
+
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def capture_graphs(fn: Callable, *args, **kwargs):
+    """Every (GraphModule, example_inputs) Dynamo hands a backend for one call of ``fn``."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=record)(*args, **kwargs)
+    torch._dynamo.reset()
+    return graphs
+
+
+def normalize_gm(gm: fx.GraphModule) -> str:
+    """The readable graph without source paths and line numbers, for golden files."""
+    text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    keep = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("# File:") or stripped.startswith("# No stacktrace"):
+            continue
+        keep.append(line.rstrip())
+    return "\n".join(keep) + "\n"
+
+
+def assert_golden(name: str, text: str, update: bool) -> None:
+    """Compare ``text`` with tests/golden/<name>.txt; ``--update-golden`` rewrites the file."""
+    path = os.path.join(GOLDEN_DIR, f"{name}.txt")
+    if update or not os.path.exists(path):
+        if not update:
+            raise AssertionError(f"missing golden file {path}: run pytest --update-golden and review it")
+        os.makedirs(GOLDEN_DIR, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    with open(path) as f:
+        expected = f.read()
+    assert text == expected, f"graph differs from {path} (run pytest --update-golden and review the diff)"
+
+
+def count_ops(gm: fx.GraphModule, target) -> int:
+    """Nodes calling ``target`` (an op overload, function or method name)."""
+    return sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method") and n.target == target)
+
+
+def lora_weight_uses(gm: fx.GraphModule) -> int:
+    """Uses of registered LoRA weight placeholders left in the graph (0 when every site is rewritten)."""
+    from graph_rewrites import LORA_WEIGHT
+
+    return sum(len(n.users) for n in gm.graph.find_nodes(op="placeholder") if LORA_WEIGHT in n.meta)
+
+
+def run_rewritten(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims):
+    """Run a rewritten graph eagerly, feeding the metadata's extra inputs as the backend would."""
+    from graph_rewrites import LORA_INPUT, STACKED_A, TOKEN_INDICES
+
+    extras = []
+    device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor))
+    for node in gm.graph.find_nodes(op="placeholder"):
+        req = node.meta.get(LORA_INPUT)
+        if req is None:
+            continue
+        if req.kind == TOKEN_INDICES:
+            extras.append(meta.token_indices(device, tuple(token_dims), tuple(token_dims)))
+        else:
+            a, b = meta.stacked_weights(req.site, device)
+            extras.append(a if req.kind == STACKED_A else b)
+    with torch.no_grad():
+        return gm(*example_inputs, *extras)
+
+
+def check_rewrite(fn: Callable, args: Sequence, meta: xlp.LoRAMetadata, *, rewrites: Dict[str, int],
+                  ops: Dict, reference: torch.Tensor, token_dims, atol: float = 1e-4, rtol: float = 0.0,
+                  output_index: int = 0):
+    """The one shared check: rewrite counts, op counts in the new graph, and equality with eager.
+
+    ``fn(*args)`` is captured by Dynamo (one graph expected), rewritten, and
+    run with the metadata's current mapping; ``reference`` is the eager
+    result that mapping stands for.  Returns (rewritten gm, report).
+    """
+    graphs = capture_graphs(fn, *args)
+    assert len(graphs) == 1, f"expected one Dynamo graph, got {len(graphs)}"
+    gm, example_inputs = graphs[0]
+    new_gm, report = xlp.rewrite(gm, example_inputs, meta)
+    assert report.error is None, report.error
+    assert report.counts() == rewrites, report.format()
+    for target, n in ops.items():
+        assert count_ops(new_gm, target) == n, f"{target}: {count_ops(new_gm, target)} != {n}\n{new_gm.code}"
+    out = run_rewritten(new_gm, example_inputs, meta, token_dims)[output_index]
+    torch.testing.assert_close(out, reference, atol=atol, rtol=rtol)
+    return new_gm, report
+
+
+def shrink_expand_counts(shrink: int, expand: int, expand_slice: int = 0) -> Dict:
+    return {torch.ops.xla_lora.bgmv_shrink.default: shrink, torch.ops.xla_lora.bgmv_expand.default: expand,
+            torch.ops.xla_lora.bgmv_expand_slice.default: expand_slice}
+
+
+def strip_ids(text: str) -> str:
+    return re.sub(r"0x[0-9a-f]+", "0x", text)

@@ -1,0 +1,123 @@
+"""Pattern 1 (linear LoRA): golden graph, numerics against eager, near misses."""
+import torch
+
+import xla_lora_pass as xlp
+from graph_rewrites import RewriteReport
+
+from .helpers import (assert_golden, capture_graphs, check_rewrite, count_ops, lora_weight_uses, normalize_gm,
+                      shrink_expand_counts)
+from .models import TwoLayer, peft_two_layer, per_row_reference
+
+
+def _meta(model, **kw):
+    meta = xlp.LoRAMetadata(max_num_tokens=64, **kw)
+    meta.register_adapters(model)
+    return meta
+
+
+def test_peft_linear_golden_and_numerics(update_golden):
+    model = peft_two_layer()
+    meta = _meta(model)
+    x = torch.randn(3, 5, 16)
+    rows = ["sql", None, "chat"]
+    meta.set_token_adapters([r for r in rows for _ in range(5)])
+    new_gm, report = check_rewrite(
+        model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
+        reference=per_row_reference(model, x, rows), token_dims=(3, 5),
+    )
+    assert lora_weight_uses(new_gm) == 0
+    assert_golden("lora_linear_peft", normalize_gm(new_gm), update_golden)
+
+
+def test_mixed_per_token_mapping_matches_per_token_eager():
+    """Tokens of one row on different adapters: each token gets exactly its adapter's delta."""
+    model = peft_two_layer()
+    meta = _meta(model)
+    x = torch.randn(2, 4, 16)
+    mapping = ["sql", "chat", None, "chat", None, "sql", "sql", "chat"]
+    meta.set_token_adapters(mapping)
+    with torch.no_grad():
+        per_adapter = {}
+        for name in ("sql", "chat"):
+            model.set_adapter(name)
+            per_adapter[name] = model(x).reshape(8, -1)
+        with model.disable_adapter():
+            per_adapter[None] = model(x).reshape(8, -1)
+        model.set_adapter("sql")
+    # proj is the only LoRA layer and tokens do not interact: row-wise selection is the truth.
+    reference = torch.stack([per_adapter[m][i] for i, m in enumerate(mapping)]).reshape(2, 4, -1)
+    check_rewrite(model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
+                  reference=reference, token_dims=(2, 4))
+
+
+def test_dropout_in_eval_mode_is_rewritten():
+    model = peft_two_layer(lora_dropout=0.1)
+    meta = _meta(model)
+    x = torch.randn(2, 3, 16)
+    meta.set_token_adapters(["chat"] * 3 + ["sql"] * 3)
+    check_rewrite(model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
+                  reference=per_row_reference(model, x, ["chat", "sql"]), token_dims=(2, 3))
+
+
+def test_graph_without_lora_passes_through_unchanged(update_golden):
+    torch.manual_seed(0)
+    model = TwoLayer().eval()
+    meta = _meta(peft_two_layer())  # registered adapters belong to another model
+    (gm, example_inputs), = capture_graphs(model, torch.randn(2, 16))
+    new_gm, report = xlp.rewrite(gm, example_inputs, meta)
+    assert report.sites == [] and report.near_misses == []
+    assert normalize_gm(new_gm) == normalize_gm(gm)
+    assert new_gm is not gm
+    assert_golden("no_lora_passthrough", normalize_gm(new_gm), update_golden)
+
+
+def test_scale_mismatch_is_a_near_miss_left_alone():
+    """The graph scales by a value the metadata did not stack: rewriting would change the result."""
+    model = peft_two_layer()
+    meta = _meta(model)
+    model.base_model.model.proj.scaling["sql"] = 3.0  # changed after registration
+    (gm, example_inputs), = capture_graphs(model, torch.randn(2, 16))
+    new_gm, report = xlp.rewrite(gm, example_inputs, meta)
+    assert report.sites == []
+    [miss] = report.near_misses
+    assert miss.site == "base_model.model.proj" and "scales the delta by 3.0" in miss.reason
+    assert normalize_gm(new_gm) == normalize_gm(gm)
+    assert count_ops(new_gm, torch.ops.xla_lora.bgmv_shrink.default) == 0
+
+
+class _DeltaAlsoReturned(torch.nn.Module):
+    """A LoRA branch whose intermediate is used outside it: rewriting would drop a use."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = peft_two_layer()
+
+    def forward(self, x):
+        proj = self.inner.base_model.model.proj
+        a, b = proj.lora_A["sql"].weight, proj.lora_B["sql"].weight
+        shrunk = torch.nn.functional.linear(x, a)
+        y = torch.nn.functional.linear(x, proj.base_layer.weight) + torch.nn.functional.linear(shrunk, b) * \
+            proj.scaling["sql"]
+        return y, shrunk
+
+
+def test_intermediate_used_elsewhere_is_a_near_miss():
+    model = _DeltaAlsoReturned().eval()
+    meta = _meta(model.inner)
+    (gm, example_inputs), = capture_graphs(model, torch.randn(2, 16))
+    new_gm, report = xlp.rewrite(gm, example_inputs, meta)
+    assert report.sites == []
+    [miss] = report.near_misses
+    assert miss.site == "base_model.model.proj" and "no pattern matched" in miss.reason
+    assert normalize_gm(new_gm) == normalize_gm(gm)
+
+
+def test_report_format_names_sites():
+    model = peft_two_layer()
+    meta = _meta(model)
+    (gm, example_inputs), = capture_graphs(model, torch.randn(2, 16))
+    _, report = xlp.rewrite(gm, example_inputs, meta)
+    text = report.format()
+    assert "1 LoRA sites rewritten, 0 near misses" in text
+    assert "base_model.model.proj  [lora_linear]  x[2, 16] -> [2, 8]  rank 4  slots 2" in text
+    assert isinstance(report, RewriteReport)

@@ -1,0 +1,69 @@
+"""``python -m xla_lora_pass.demo``: three adapters and the base model in one batch.
+
+A tiny Llama from a transformers config, 3 PEFT adapters (q_proj, v_proj)
+with non-zero random weights, one batch whose rows use adapters sql, chat, code and
+the base model, compiled with the xla_lora backend on the XLA device, checked
+against eager PEFT.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla loads: no accelerator needed
+
+import torch  # noqa: E402
+
+
+def main() -> int:
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    import xla_lora_pass as xlp
+    from xla_lora_pass.demo_models import eager_reference, per_sequence_mapping, tiny_peft_llama
+
+    model, names = tiny_peft_llama()
+    rows = ["sql", "chat", "code", None]
+    seq_len = 12
+    ids = torch.randint(0, 128, (len(rows), seq_len), generator=torch.Generator().manual_seed(1))
+    reference = eager_reference(model, ids, rows)
+
+    device = torch_xla.device()
+    model.to(device)
+    meta = xlp.LoRAMetadata(max_num_tokens=1024)
+    slots = meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    meta.set_token_adapters(per_sequence_mapping(rows, seq_len))
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = compiled(input_ids=ids.to(device)).logits.cpu()
+    first = time.perf_counter() - start
+    compiles_after_first = met.metric_data("CompileTime")[0]
+
+    # A new mapping: rows rotate adapters.  Indices are graph inputs: no recompile.
+    rotated = rows[1:] + rows[:1]
+    meta.set_token_adapters(per_sequence_mapping(rotated, seq_len))
+    model.cpu()
+    reference2 = eager_reference(model, ids, rotated)
+    model.to(device)
+    with torch.no_grad():
+        logits2 = compiled(input_ids=ids.to(device)).logits.cpu()
+
+    stats = meta.stats
+    print(f"slots:                {slots}")
+    print(f"rows use adapters:    {rows} (then {rotated})")
+    print(f"sites rewritten:      {dict(stats['rewrites'])}")
+    print(f"backend compiles:     {stats['compiles']}")
+    print(f"XLA compiles:         {compiles_after_first} after the first call, "
+          f"{met.metric_data('CompileTime')[0]} after the remap")
+    print(f"first call:           {first:.2f} s")
+    diff = max((logits - reference).abs().max().item(), (logits2 - reference2).abs().max().item())
+    print(f"max |logits - eager PEFT|: {diff:.3g}")
+    ok = diff < 1e-4
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""Tiny PEFT models built from configs with random weights (nothing is downloaded).
+
+Shared by the demo, the dump tool's built-in factories, the tests and bench/.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+
+DEFAULT_ADAPTERS = (("sql", 4, 8), ("chat", 8, 16), ("code", 2, 2))  # (name, rank, alpha): every scaling differs
+
+
+def tiny_llama_config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, **kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=2048, **kw)
+
+
+def tiny_peft_llama(targets: Sequence[str] = ("q_proj", "v_proj"), adapters=DEFAULT_ADAPTERS, seed: int = 0,
+                    dtype=torch.float32, **config_kw) -> Tuple[torch.nn.Module, list]:
+    """A tiny ``LlamaForCausalLM`` with PEFT LoRA adapters of non-zero random weights, in eval mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**config_kw)).to(dtype).eval()
+    return _add_adapters(model, targets, adapters, get_peft_model, LoraConfig, dtype)
+
+
+def tiny_peft_gpt2(targets: Sequence[str] = ("c_attn",), adapters=DEFAULT_ADAPTERS, seed: int = 0,
+                   dtype=torch.float32) -> Tuple[torch.nn.Module, list]:
+    """A tiny ``GPT2LMHeadModel`` (Conv1D layers) with PEFT LoRA adapters, in eval mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=2048)
+    model = GPT2LMHeadModel(cfg).to(dtype).eval()
+    return _add_adapters(model, targets, adapters, get_peft_model, LoraConfig, dtype, fan_in_fan_out=True)
+
+
+def _add_adapters(model, targets, adapters, get_peft_model, LoraConfig, dtype, **lora_kw):
+    names = []
+    peft_model = None
+    for name, rank, alpha in adapters:
+        cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets) if not isinstance(targets, str)
+                         else targets, init_lora_weights=False, **lora_kw)
+        if peft_model is None:
+            peft_model = get_peft_model(model, cfg, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, cfg)
+        names.append(name)
+    peft_model.set_adapter(names[0])
+    return peft_model.to(dtype).eval(), names
+
+
+def per_sequence_mapping(adapter_per_row: Sequence, seq_len: int) -> list:
+    """One entry per flattened token: every token of row i uses ``adapter_per_row[i]``."""
+    return [a for a in adapter_per_row for _ in range(seq_len)]
+
+
+def eager_reference(peft_model, input_ids: torch.Tensor, adapter_per_row: Sequence) -> torch.Tensor:
+    """Logits of eager PEFT with each sequence on its own adapter (None = base model)."""
+    names = ["__base__" if a is None else a for a in adapter_per_row]
+    with torch.no_grad():
+        return peft_model(input_ids=input_ids, adapter_names=names).logits
