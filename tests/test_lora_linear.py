@@ -1,4 +1,5 @@
 """Pattern 1 (linear LoRA): golden graph, numerics against eager, near misses."""
+import pytest
 import torch
 
 import xla_lora_pass as xlp
@@ -35,7 +36,6 @@ def test_mixed_per_token_mapping_matches_per_token_eager():
     meta = _meta(model)
     x = torch.randn(2, 4, 16)
     mapping = ["sql", "chat", None, "chat", None, "sql", "sql", "chat"]
-    meta.set_token_adapters(mapping)
     with torch.no_grad():
         per_adapter = {}
         for name in ("sql", "chat"):
@@ -46,6 +46,7 @@ def test_mixed_per_token_mapping_matches_per_token_eager():
         model.set_adapter("sql")
     # proj is the only LoRA layer and tokens do not interact: row-wise selection is the truth.
     reference = torch.stack([per_adapter[m][i] for i, m in enumerate(mapping)]).reshape(2, 4, -1)
+    meta.set_token_adapters(mapping)
     check_rewrite(model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
                   reference=reference, token_dims=(2, 4))
 
@@ -121,3 +122,23 @@ def test_report_format_names_sites():
     assert "1 LoRA sites rewritten, 0 near misses" in text
     assert "base_model.model.proj  [lora_linear]  x[2, 16] -> [2, 8]  rank 4  slots 2" in text
     assert isinstance(report, RewriteReport)
+
+
+def test_eager_run_under_a_mapping_it_cannot_follow_raises():
+    """Outside a compiled graph (graph break, recompile limit) a LoRA layer computes its active adapter."""
+    model = peft_two_layer()
+    meta = _meta(model)
+    x = torch.randn(2, 16)
+    meta.set_token_adapters(["sql", "chat"])
+    with pytest.raises(xlp.UnsupportedMappingError, match=r"base_model.model.proj is running eagerly"):
+        with torch.no_grad():
+            model(x)
+    meta.set_token_adapters(["sql", "sql"])  # what the eager layer computes: allowed
+    with torch.no_grad():
+        model(x)
+        with model.disable_adapter():
+            with pytest.raises(xlp.UnsupportedMappingError):
+                model(x)
+            meta.set_token_adapters([None, None])
+            model(x)
+        model(x, adapter_names=["sql", "chat"])  # PEFT's own mixed path is exact

@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 from . import config, ops  # ops first: registers torch.ops.xla_lora
-from .backend import LoRABackend, UnsupportedMappingError, make_backend
+from .backend import LoRABackend, make_backend
+from .errors import UnsupportedMappingError
 from .bucketing import Buckets
 from .metadata import NO_LORA, LoRAMetadata
 from .rewrite import rewrite

@@ -22,14 +22,11 @@ from graph_rewrites.fx_utils import example_value
 from . import config
 from .bucketing import Buckets, GraphShapes
 from .dump import dump_graphs
-from .metadata import NO_LORA, LoRAMetadata
+from .errors import UnsupportedMappingError
+from .metadata import LoRAMetadata
 from .rewrite import copy_graph_module, rewrite
 
 log = logging.getLogger(__name__)
-
-
-class UnsupportedMappingError(ValueError):
-    """The token mapping asks for something this compiled graph cannot compute exactly."""
 
 
 def _inner_compiler(inner: Union[str, Callable, None], example_inputs: Sequence) -> Callable:
@@ -147,7 +144,7 @@ class CompiledLoRAGraph:
         program = self.programs.get(key)
         if program is None:
             program = self._compile(key, call_args + extras)
-        self.meta._count("bucket_hits", key)
+        self.meta._count("bucket_hits", padded_dims if padded_dims is not None else key)
         if token_dims is not None:
             self.meta._count("real_tokens", n=math.prod(token_dims))
             self.meta._count("padded_tokens", n=math.prod(padded_dims) - math.prod(token_dims))
@@ -205,4 +202,7 @@ def _first_device(args) -> torch.device:
 def make_backend(meta: LoRAMetadata, buckets: Optional[Buckets] = None, inner: Union[str, Callable, None] = None,
                  batch_buckets: Optional[Buckets] = None) -> LoRABackend:
     """The backend for ``torch.compile(model, backend=make_backend(meta))``."""
+    if config.enable_automatic_dynamic_shapes and not torch._dynamo.config.automatic_dynamic_shapes:
+        log.info("turning Dynamo's automatic_dynamic_shapes back on (torch_xla turns it off) for bucketing")
+        torch._dynamo.config.automatic_dynamic_shapes = True
     return LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets)

@@ -19,3 +19,10 @@ fallback_on_error = True
 # Write every graph the backend sees (before, after, report) under this folder,
 # one subfolder per compile.  None: no dumps.
 dump_dir = os.environ.get("XLA_LORA_DUMP_DIR") or None
+
+# torch_xla turns Dynamo's automatic dynamic shapes off when it is imported,
+# so every new token count would be a new static graph (and past
+# recompile_limit, eager).  Bucketing needs the token dims symbolic, so
+# make_backend turns it back on.  Set False to keep torch_xla's choice; then
+# pass dynamic=True to torch.compile to get bucketing.
+enable_automatic_dynamic_shapes = True

@@ -17,6 +17,7 @@ with the same object is not safe; two objects share no state.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -27,6 +28,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
+from .errors import UnsupportedMappingError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class LoRAMetadata:
         self._mapping: Optional[torch.Tensor] = None
         self._index_cache: Dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._hook_handles: list = []
         self._stats = {
             "compiles": 0,
             "rewrites": {},
@@ -105,8 +108,46 @@ class LoRAMetadata:
             self.refresh_param_index()
             self._host_stacks = {s.name: self._stack_site(s) for s in sites}
             self._device_stacks.clear()
+            self._install_eager_guards(sites)
         log.info("registered %d LoRA sites, slots %s", len(sites), self._slots)
         return list(names)
+
+    def _install_eager_guards(self, sites) -> None:
+        """A hook on every LoRA layer that refuses an eager result under a mapping it gets wrong.
+
+        A LoRA layer that runs outside a compiled graph (a graph break, or
+        Dynamo past its recompile limit falling back to eager) computes its
+        active adapter for every token.  Under Dynamo the hook returns at once
+        (``is_compiling``), so it adds nothing to the captured graph.  A forward
+        hook, not a pre-hook: it must see the ``adapter_names`` kwarg PEFT's own
+        pre-hook adds for its mixed-batch path.
+        """
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = [
+            s.module.register_forward_hook(functools.partial(self._eager_guard, s.name), with_kwargs=True)
+            for s in sites if s.module is not None
+        ]
+
+    def _eager_guard(self, site_name: str, module, args, kwargs, output):
+        if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
+            return None  # traced, or PEFT's own mixed-batch path, which is exact
+        mapping = self._mapping
+        if mapping is None:
+            return None
+        values = set(mapping.unique().tolist())
+        if getattr(module, "disable_adapters", False):
+            active, computes = [], {NO_LORA}
+        else:
+            active = list(getattr(module, "active_adapters", []))
+            computes = {self._slots.index(a) for a in active if a in self._slots}
+        if len(computes) == 1 and values == computes:
+            return None
+        raise UnsupportedMappingError(
+            f"LoRA layer {site_name} is running eagerly (outside a compiled graph: a graph break, or Dynamo "
+            f"past its recompile limit), where it computes its active adapter {active} for every token; the "
+            f"token mapping uses slots {sorted(values)}. Set a uniform mapping on the active adapter, or "
+            "fix the graph break (TORCH_LOGS=graph_breaks,recompiles)")
 
     def _site_rank(self, site: SiteSpec) -> int:
         ranks = [w.rank for w in site.adapters.values()]

@@ -1,0 +1,5 @@
+"""Errors a user of the backend can catch."""
+
+
+class UnsupportedMappingError(ValueError):
+    """The token mapping asks for something the code about to run cannot compute exactly."""
