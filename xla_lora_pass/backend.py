@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+import sys
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -67,13 +67,44 @@ class LoRABackend:
         self.graphs.append(compiled)
         return compiled
 
-    def precompile(self, example_args_for: Callable[[int], Sequence], sizes: Optional[Sequence[int]] = None,
+    def precompile(self, run: Callable[[int], Any], sizes: Optional[Iterable[int]] = None,
                    progress: bool = True) -> int:
-        """Compile every bucket ahead of serving; see ``CompiledLoRAGraph.precompile``."""
-        done = 0
-        for graph in self.graphs:
-            done += graph.precompile(sizes, progress=progress)
-        return done
+        """Warm every bucket before serving; returns the number of programs compiled.
+
+        ``run(n)`` must call the compiled model once with ``n`` tokens in the
+        bucketed dim (e.g. ``lambda n: model(input_ids=ids[:, :n])``).  It is
+        called for 2 and 1 first (Dynamo's first static trace and its size-1
+        specialization), then for every bucket size, with every token on the
+        base model.
+        """
+        sizes = list(sizes) if sizes is not None else [2, 1] + list(self.buckets)
+        before = self.meta.stats["compiles"]
+        bar = _Progress(len(sizes), "precompile", enabled=progress)
+        with self.meta.warming_up():
+            for n in sizes:
+                with torch.no_grad():
+                    run(n)
+                bar.step(f"{n} tokens")
+        bar.close()
+        return self.meta.stats["compiles"] - before
+
+
+class _Progress:
+    """A one-line progress bar on stderr (tqdm is not a dependency)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.done, self.enabled = total, label, 0, enabled
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = int(30 * self.done / max(self.total, 1))
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {what}   ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
 
 
 class CompiledLoRAGraph:
@@ -100,6 +131,8 @@ class CompiledLoRAGraph:
 
     # ---------------------------------------------------------------- checks
     def _check_mapping(self, token_dims) -> None:
+        if self.meta.is_warming_up:
+            return  # precompile: every token on the base model, whatever the call's size
         mapping = self.meta.mapping()
         if self.report.sites:
             if mapping is None:
@@ -135,21 +168,26 @@ class CompiledLoRAGraph:
         token_dims = self.shapes.token_dims(bindings)
         self._check_mapping(token_dims)
         padded = self._padded_bindings(bindings)
-        key = tuple(padded[s] for s in self.shapes.padded_symbols) if not self.shapes.not_bucketable else \
-            tuple(sorted((str(k), v) for k, v in bindings.items()))
-        call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
         padded_dims = self.shapes.token_dims(padded)
+        key = self._program_key(padded, padded_dims)
+        call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
         device = _first_device(args)
         extras = self._extra_inputs(device, token_dims, padded_dims)
         program = self.programs.get(key)
         if program is None:
             program = self._compile(key, call_args + extras)
-        self.meta._count("bucket_hits", padded_dims if padded_dims is not None else key)
+        self.meta._count("bucket_hits", key)
         if token_dims is not None:
             self.meta._count("real_tokens", n=math.prod(token_dims))
             self.meta._count("padded_tokens", n=math.prod(padded_dims) - math.prod(token_dims))
         outs = program(*call_args, *extras)
         return self.shapes.slice_outputs(outs, bindings) if padded != bindings else outs
+
+    def _program_key(self, padded, padded_dims) -> tuple:
+        """One program per key: the padded token dims (or every size symbol's value)."""
+        if padded_dims is not None and not self.shapes.not_bucketable:
+            return tuple(padded_dims)
+        return tuple(padded[s] for s in sorted(padded, key=str))
 
     def _padded_bindings(self, bindings):
         if self.shapes.not_bucketable:
@@ -186,11 +224,6 @@ class CompiledLoRAGraph:
         self.programs[key] = program
         self.meta._count("compiles")
         return program
-
-    def precompile(self, sizes=None, progress: bool = True) -> int:
-        """Not available per graph yet (needs example inputs); see LoRABackend.precompile."""
-        return 0
-
 
 def _first_device(args) -> torch.device:
     for a in args:

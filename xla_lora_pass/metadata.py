@@ -17,6 +17,7 @@ with the same object is not safe; two objects share no state.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -55,6 +56,7 @@ class LoRAMetadata:
         self._index_cache: Dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._hook_handles: list = []
+        self._warming = False
         self._stats = {
             "compiles": 0,
             "rewrites": {},
@@ -295,6 +297,21 @@ class LoRAMetadata:
             else:
                 raise TypeError(f"set_token_adapters: token {pos}: expected str, int or None, got {entry!r:.80}")
         return torch.tensor(out, dtype=torch.int32)
+
+    @contextlib.contextmanager
+    def warming_up(self):
+        """Within: compiled graphs skip the mapping checks and every token is on the base model."""
+        saved, self._mapping, self._warming = self._mapping, None, True
+        self._index_cache.clear()
+        try:
+            yield self
+        finally:
+            self._mapping, self._warming = saved, False
+            self._index_cache.clear()
+
+    @property
+    def is_warming_up(self) -> bool:
+        return self._warming
 
     @property
     def num_tokens(self) -> Optional[int]:
