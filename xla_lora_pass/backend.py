@@ -60,8 +60,8 @@ class LoRABackend:
         if report.error:
             self.meta._count("fallbacks")
         log.info("graph %d: %s", len(self.graphs), report.format())
-        if config.dump_dir:
-            dump_graphs(config.dump_dir, gm, new_gm, report)
+        # Every compile: TORCH_TRACE artifacts always, files only when dump_dir is set.
+        dump_graphs(config.dump_dir, gm, new_gm, report)
         compiled = CompiledLoRAGraph(self, new_gm, report, len(example_inputs),
                                      _inner_compiler(self.inner, example_inputs))
         self.graphs.append(compiled)

@@ -67,3 +67,42 @@ def eager_reference(peft_model, input_ids: torch.Tensor, adapter_per_row: Sequen
     names = ["__base__" if a is None else a for a in adapter_per_row]
     with torch.no_grad():
         return peft_model(input_ids=input_ids, adapter_names=names).logits
+
+
+# ---------------------------------------------------------------------------
+# Factories for ``xla-lora-dump MODULE:FACTORY``: each returns (model, example
+# inputs), the inputs a dict of keyword arguments or a tuple of positional ones.
+# ---------------------------------------------------------------------------
+
+
+def _demo_input_ids(batch: int, seq_len: int) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, seq_len), generator=torch.Generator().manual_seed(1))
+
+
+def demo_llama(batch: int = 2, seq_len: int = 6):
+    """The demo's tiny PEFT Llama (adapters sql, chat, code on q_proj and v_proj) and its ``input_ids``.
+
+    Every LoRA site is rewritten: 4 sites, no near miss.
+    """
+    model, _ = tiny_peft_llama()
+    return model, {"input_ids": _demo_input_ids(batch, seq_len)}
+
+
+DORA_ADAPTER = "dora"
+
+
+def demo_llama_with_dora(batch: int = 2, seq_len: int = 6):
+    """``demo_llama`` plus a fourth adapter using DoRA on v_proj: the v_proj sites become near misses.
+
+    The active adapter (sql) is plain LoRA everywhere, but a site holding a
+    DoRA adapter can never be rewritten (DoRA rescales the output by a weight
+    norm the kernels do not compute), so both v_proj sites are left alone and
+    reported with that reason, while both q_proj sites are rewritten.
+    """
+    from peft import LoraConfig
+
+    model, names = tiny_peft_llama()
+    model.add_adapter(DORA_ADAPTER, LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"], use_dora=True,
+                                               init_lora_weights=False))
+    model.set_adapter(names[0])
+    return model.eval(), {"input_ids": _demo_input_ids(batch, seq_len)}
