@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 
-from graph_rewrites import LORA_INPUT, STACKED_A, STACKED_B, TOKEN_INDICES, RewriteReport
+from graph_rewrites import LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, TOKEN_INDICES, RewriteReport
 from graph_rewrites.fx_utils import example_value
 
 from . import config
-from .bucketing import Buckets, GraphShapes
+from .bucketing import Buckets, GraphShapes, evaluate
 from .dump import dump_graphs
 from .errors import UnsupportedMappingError
 from .metadata import LoRAMetadata
@@ -127,6 +128,8 @@ class CompiledLoRAGraph:
         from graph_rewrites import unrewritten_lora_weights
 
         self.leftovers = unrewritten_lora_weights(gm)
+        # A graph with no rewritten site still has token dims: those of a LoRA layer left alone.
+        self.leftover_layout = _leftover_token_layout(gm) if self.leftovers and not report.sites else None
         self.programs: Dict[tuple, Callable] = {}
 
     # ---------------------------------------------------------------- checks
@@ -134,15 +137,20 @@ class CompiledLoRAGraph:
         if self.meta.is_warming_up:
             return  # precompile: every token on the base model, whatever the call's size
         mapping = self.meta.mapping()
-        if self.report.sites:
-            if mapping is None:
-                raise UnsupportedMappingError(
-                    "no token mapping: call meta.set_token_adapters([...]) before running the compiled model")
-            want = math.prod(token_dims)
-            if mapping.numel() != want:
-                raise UnsupportedMappingError(
-                    f"the token mapping has {mapping.numel()} entries but this call has {want} tokens "
-                    f"(token dims {list(token_dims)}); set one entry per flattened token")
+        want = math.prod(token_dims) if token_dims is not None else None
+        # Before the mapping checks: no mapping can be that long, so its length is not the news.
+        if want is not None and want > self.meta.max_num_tokens:
+            raise ValueError(
+                f"this call has {want} tokens (token dims {list(token_dims)}), more than "
+                f"max_num_tokens={self.meta.max_num_tokens}; split the batch or create the LoRAMetadata with a "
+                "larger max_num_tokens")
+        if self.report.sites and mapping is None:
+            raise UnsupportedMappingError(
+                "no token mapping: call meta.set_token_adapters([...]) before running the compiled model")
+        if want is not None and mapping is not None and mapping.numel() != want:
+            raise UnsupportedMappingError(
+                f"the token mapping has {mapping.numel()} entries but this call has {want} tokens "
+                f"(token dims {list(token_dims)}); set one entry per flattened token")
         if self.leftovers and mapping is not None:
             self._check_uniform(mapping)
 
@@ -166,7 +174,7 @@ class CompiledLoRAGraph:
         args = list(args[: self.num_args]) if len(args) > self.num_args else list(args)
         bindings = self.shapes.bind(args)
         token_dims = self.shapes.token_dims(bindings)
-        self._check_mapping(token_dims)
+        self._check_mapping(token_dims if token_dims is not None else self._leftover_token_dims(bindings))
         padded = self._padded_bindings(bindings)
         padded_dims = self.shapes.token_dims(padded)
         key = self._program_key(padded, padded_dims)
@@ -182,6 +190,15 @@ class CompiledLoRAGraph:
             self.meta._count("padded_tokens", n=math.prod(padded_dims) - math.prod(token_dims))
         outs = program(*call_args, *extras)
         return self.shapes.slice_outputs(outs, bindings) if padded != bindings else outs
+
+    def _leftover_token_dims(self, bindings) -> Optional[tuple]:
+        """This call's token dims read off a LoRA layer left alone (None if unknown); for the checks only."""
+        if self.leftover_layout is None:
+            return None
+        free = set().union(*(d.free_symbols for d in self.leftover_layout if not isinstance(d, int)))
+        if not free <= set(bindings):
+            return None
+        return tuple(evaluate(d, bindings) for d in self.leftover_layout)
 
     def _program_key(self, padded, padded_dims) -> tuple:
         """One program per key: the padded token dims (or every size symbol's value)."""
@@ -224,6 +241,33 @@ class CompiledLoRAGraph:
         self.programs[key] = program
         self.meta._count("compiles")
         return program
+
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+_MATMUL = (operator.matmul, torch.matmul)
+
+
+def _leftover_token_layout(gm: fx.GraphModule) -> Optional[tuple]:
+    """Leading dims of the input of a LoRA A weight left in the graph (``linear(x, A)`` or ``x @ A.t()``).
+
+    Lets a fallback graph refuse a mapping of the wrong length or too many
+    tokens as a rewritten one does; None when no such use is found.
+    """
+    for node in gm.graph.find_nodes(op="placeholder"):
+        ref = node.meta.get(LORA_WEIGHT)
+        if ref is None or ref.role != "A":
+            continue
+        for user in node.users:
+            x = None
+            if user.op == "call_function" and user.target in _LINEAR and len(user.args) >= 2 and user.args[1] is node:
+                x = user.args[0]
+            elif (user.op, user.target) in (("call_method", "t"), ("call_function", torch.t)):
+                x = next((mm.args[0] for mm in user.users if mm.op == "call_function" and mm.target in _MATMUL
+                          and len(mm.args) == 2 and mm.args[1] is user), None)
+            value = example_value(x) if isinstance(x, fx.Node) else None
+            if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in value.shape[:-1])
+    return None
+
 
 def _first_device(args) -> torch.device:
     for a in args:

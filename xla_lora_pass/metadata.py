@@ -11,9 +11,22 @@ Host first, device once: the mapping is built on the host and copied to the
 device once per step in one transfer (an in-place update of an XLA tensor
 would be a lazy op, i.e. one more XLA program to compile).
 
-Thread safety: one ``LoRAMetadata`` serves one serving loop.  Setting a
-mapping or loading an adapter while another thread runs the compiled model
-with the same object is not safe; two objects share no state.
+Bad input is refused in eager Python before any device work, and a refused
+call changes nothing: ``set_token_adapters`` keeps the old mapping,
+``load_adapter`` leaves every slot and stack as it was (docs/reliability.md
+lists every check).
+
+Thread safety.  Safe: every method takes the object's lock, so concurrent
+calls on one object never corrupt it and each call is all-or-nothing; two
+objects share no state (mappings, slots, stacked weights, stats), so two
+models, each with its own object, may be served alternately or from two
+threads, as far as Dynamo and torch_xla allow.  Not safe: the mapping belongs
+to the object, not to a thread, and a compiled call reads it when it runs, so
+``set_token_adapters`` followed by the model call is one step that another
+thread must not split (one serving loop per object, or hold your own lock
+around both); ``load_adapter`` while another thread runs the model may give
+that call some sites old and some new weights.  One model, one object: a
+second object registering the same model would add its own eager guards.
 """
 from __future__ import annotations
 
@@ -21,6 +34,7 @@ import contextlib
 import functools
 import logging
 import math
+import numbers
 import threading
 import types
 import warnings
@@ -105,11 +119,16 @@ class LoRAMetadata:
         if len(names) > num_slots:
             raise ValueError(f"{len(names)} adapters {names} do not fit max_slots={num_slots}")
         with self._lock:
-            self._slots = list(names) + [None] * (num_slots - len(names))
+            slots = list(names) + [None] * (num_slots - len(names))
+            host_stacks = {s.name: self._stack_site(s, slots) for s in sites}
+            self._slots = slots
             self._sites = {s.name: s for s in sites}
             self.refresh_param_index()
-            self._host_stacks = {s.name: self._stack_site(s) for s in sites}
+            self._host_stacks = host_stacks
             self._device_stacks.clear()
+            # Slot numbers may now mean other adapters: an old mapping would pick the wrong ones.
+            self._mapping = None
+            self._index_cache.clear()
             self._install_eager_guards(sites)
         log.info("registered %d LoRA sites, slots %s", len(sites), self._slots)
         return list(names)
@@ -155,27 +174,27 @@ class LoRAMetadata:
         ranks = [w.rank for w in site.adapters.values()]
         return max(ranks + [self.max_rank or 1])
 
-    def _stack_site(self, site: SiteSpec) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _stack_site(self, site: SiteSpec, slots: List[Optional[str]]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Host stacks of one site; slots whose adapter is absent here stay zero."""
         any_w = next(iter(site.adapters.values()))
         dtype = any_w.lora_a.dtype
         rank = self._site_rank(site)
-        stack_a = torch.zeros(self.num_slots, rank, site.in_features, dtype=dtype)
-        stack_b = torch.zeros(self.num_slots, site.out_features, rank, dtype=dtype)
-        for slot, name in enumerate(self._slots):
+        stack_a = torch.zeros(len(slots), rank, site.in_features, dtype=dtype)
+        stack_b = torch.zeros(len(slots), site.out_features, rank, dtype=dtype)
+        for slot, name in enumerate(slots):
             if name in site.adapters:
-                self._write_slot(stack_a, stack_b, slot, site.adapters[name])
+                where = f"register_adapters: {site.name} adapter {name!r}"
+                self._write_slot(stack_a, stack_b, slot, *_host_slot_weights(where, site.adapters[name], dtype))
         return stack_a, stack_b
 
     @staticmethod
-    def _write_slot(stack_a, stack_b, slot: int, w: AdapterWeights) -> None:
-        r = w.rank
+    def _write_slot(stack_a, stack_b, slot: int, lora_a: torch.Tensor, scaled_b: torch.Tensor) -> None:
+        r = lora_a.shape[0]
         with torch.no_grad():
             stack_a[slot].zero_()
             stack_b[slot].zero_()
-            stack_a[slot, :r] = w.lora_a.detach().to("cpu", stack_a.dtype)
-            # Folding the scaling into B lets every adapter keep its own alpha/r.
-            stack_b[slot, :, :r] = (w.lora_b.detach().to("cpu", torch.float32) * w.scaling).to(stack_b.dtype)
+            stack_a[slot, :r] = lora_a
+            stack_b[slot, :, :r] = scaled_b
 
     def load_adapter(self, name: str, state: Mapping[str, torch.Tensor], *, scaling: Optional[float] = None,
                      config=None) -> int:
@@ -184,16 +203,32 @@ class LoRAMetadata:
         ``state`` is a PEFT-style state dict (``<site>.lora_A.weight`` /
         ``<site>.lora_B.weight``, an adapter name may stand before ``.weight``).
         The scaling comes from ``scaling`` or from a PEFT ``LoraConfig``.
+
+        Weights may be of any floating dtype, cast to the site's stack dtype
+        (the model's LoRA dtype), and on any device that holds data (CPU, XLA,
+        ...): they are copied into the host stacks, one device-to-host transfer
+        each, and no reference to them is kept.  Refused before any slot is
+        touched: a shape that does not fit the site, a non-floating dtype, a
+        meta or sparse tensor, a NaN or inf (after the cast and the scaling).
         """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"load_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_adapter({name!r}): state must be a mapping of name -> tensor, got "
+                            f"{type(state).__name__}")
         if not self._sites:
-            raise RuntimeError("load_adapter: call register_adapters(model) first")
+            raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
+                               "register_adapters(model) with a model that has LoRA layers first")
         per_site = _split_state(state, self._sites)
-        weights: Dict[str, AdapterWeights] = {}
+        if not per_site:
+            raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
+        weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for site_name, (lora_a, lora_b) in per_site.items():
             site = self._sites[site_name]
             stack_a, _ = self._host_stacks[site_name]
             self._check_loaded(site, stack_a, lora_a, lora_b)
-            weights[site_name] = AdapterWeights(lora_a, lora_b, _scaling_for(name, lora_a.shape[0], scaling, config))
+            loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, lora_a.shape[0], scaling, config))
+            weights[site_name] = _host_slot_weights(f"load_adapter({name!r}): {site_name}", loaded, stack_a.dtype)
         with self._lock:
             if name in self._slots:
                 slot = self._slots.index(name)
@@ -207,7 +242,7 @@ class LoRAMetadata:
             self._slots[slot] = name
             for site_name, (stack_a, stack_b) in self._host_stacks.items():
                 if site_name in weights:
-                    self._write_slot(stack_a, stack_b, slot, weights[site_name])
+                    self._write_slot(stack_a, stack_b, slot, *weights[site_name])
                 else:
                     stack_a[slot].zero_()
                     stack_b[slot].zero_()
@@ -224,6 +259,11 @@ class LoRAMetadata:
         for what, t in (("lora_A", lora_a), ("lora_B", lora_b)):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise TypeError(f"{site.name}.{what}: expected a floating-point tensor, got {t!r:.80}")
+            if t.layout != torch.strided:
+                raise TypeError(f"{site.name}.{what}: expected a dense tensor, got layout {t.layout}")
+            if t.device.type == "meta":
+                raise ValueError(f"{site.name}.{what}: a meta tensor holds no data; give the weights on any "
+                                 "real device (they are copied to the host)")
         r = lora_a.shape[0] if lora_a.dim() == 2 else -1
         if lora_a.dim() != 2 or lora_a.shape[1] != site.in_features or not 1 <= r <= max_rank:
             raise ValueError(
@@ -289,7 +329,8 @@ class LoRAMetadata:
                     raise KeyError(f"set_token_adapters: token {pos}: unknown adapter {entry!r}; "
                                    f"registered: {sorted(names)}")
                 out.append(names[entry])
-            elif isinstance(entry, int) and not isinstance(entry, bool):
+            elif isinstance(entry, numbers.Integral) and not isinstance(entry, bool):
+                entry = int(entry)  # numpy integers too
                 if entry != NO_LORA and not (0 <= entry < self.num_slots and self._slots[entry] is not None):
                     raise ValueError(f"set_token_adapters: token {pos}: slot {entry} is not a loaded slot; "
                                      f"valid: -1 and {[s for s, n in enumerate(self._slots) if n is not None]}")
@@ -347,7 +388,8 @@ class LoRAMetadata:
     @property
     def stats(self) -> Mapping:
         """Counters: compiles, rewrites, bucket_hits, fallbacks, padded_token_fraction."""
-        out = dict(self._stats)
+        with self._lock:  # a snapshot: the nested counters are copied, not shared
+            out = {k: dict(v) if isinstance(v, dict) else v for k, v in self._stats.items()}
         total = out["padded_tokens"] + out["real_tokens"]
         out["padded_token_fraction"] = out["padded_tokens"] / total if total else 0.0
         return types.MappingProxyType(out)
@@ -362,6 +404,10 @@ class LoRAMetadata:
 
 def _scaling_for(name: str, rank: int, scaling: Optional[float], config) -> float:
     if scaling is not None:
+        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
+            raise TypeError(f"load_adapter({name!r}): scaling must be a real number, got {scaling!r:.80}")
+        if not math.isfinite(scaling):
+            raise ValueError(f"load_adapter({name!r}): scaling must be finite, got {scaling}")
         return float(scaling)
     if config is not None:
         alpha = config.lora_alpha
@@ -369,10 +415,31 @@ def _scaling_for(name: str, rank: int, scaling: Optional[float], config) -> floa
     raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config=")
 
 
+def _host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A and scaling * B as host tensors of the stack dtype; refused if any value is not finite.
+
+    Why refuse: the fused expand multiplies every slot's B by zeros for the
+    tokens on other slots, and 0 * inf is NaN, so one bad slot would reach
+    every token of the batch, not only its own.
+    """
+    with torch.no_grad():
+        lora_a = w.lora_a.detach().to("cpu", dtype)
+        # Folding the scaling into B lets every adapter keep its own alpha/r.
+        scaled_b = (w.lora_b.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
+    for what, t in (("lora_A", lora_a), (f"lora_B * scaling ({w.scaling})", scaled_b)):
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"{where}: {what} has {bad} NaN or inf value(s) (as {dtype}); adapter weights "
+                             "must be finite")
+    return lora_a, scaled_b
+
+
 def _split_state(state: Mapping[str, torch.Tensor], sites: Mapping[str, SiteSpec]):
     """Group a PEFT-style state dict by site: {site: (A, B)}; unknown keys are errors."""
     found: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
+        if not isinstance(key, str):
+            raise TypeError(f"load_adapter: state keys must be str, got {key!r:.80}")
         parts = key.split(".")
         role_at = next((i for i, p in enumerate(parts) if p in ("lora_A", "lora_B", "lora_embedding_A",
                                                                  "lora_embedding_B")), None)
