@@ -25,6 +25,7 @@ def test_pow2_then_gap_is_linear_above_the_gap():
     b = xlp.Buckets.pow2_then_gap(min=8, gap=128, max=640)
     assert list(b) == [8, 16, 32, 64, 128, 256, 384, 512, 640]
     assert b.pad(129) == 256 and b.pad(300) == 384
+    assert list(xlp.Buckets.pow2_then_gap(min=8, gap=128, max=48)) == [8, 16, 32, 48]  # never past max
 
 
 def test_size_above_the_largest_bucket_names_size_and_limit():

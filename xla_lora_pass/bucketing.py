@@ -50,8 +50,9 @@ class Buckets:
         """Powers of two up to ``gap``, then every multiple of ``gap`` (vLLM's ``padding_gap``)."""
         if gap < min:
             raise ValueError(f"gap={gap} must be >= min={min}")
-        low = [s for s in cls.pow2(min, gap).sizes]
-        return cls(low + list(range(2 * gap, max, gap)) + [max])
+        if gap >= max:
+            return cls.pow2(min, max)
+        return cls(list(cls.pow2(min, gap).sizes) + list(range(2 * gap, max, gap)) + [max])
 
     @property
     def max(self) -> int:
