@@ -43,6 +43,9 @@ def load_factory(spec: str) -> Callable:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise DumpError(f"expected MODULE:FACTORY (e.g. {DEFAULT_FACTORY}), got {spec!r}")
+    # As ``python -m`` does, and as a console script does not: find modules of the current directory.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
