@@ -263,3 +263,14 @@ def test_torch_trace_gets_before_after_and_report_artifacts():
     assert ours[1][2] == backend.graphs[0].gm.print_readable(print_output=False)
     assert "torch.ops.xla_lora.bgmv_shrink.default(" in ours[4][2]
     assert ours[5][2] == backend.graphs[1].report.format()
+
+
+def test_missing_chromium_fails_in_ci_unless_ci_explained_why(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("CI", "1")
+    monkeypatch.delenv("CHROMIUM_UNAVAILABLE", raising=False)
+    with pytest.raises(pytest.fail.Exception, match="should have installed it"):
+        _chromium()
+    monkeypatch.setenv("CHROMIUM_UNAVAILABLE", "no network")
+    with pytest.raises(pytest.skip.Exception, match="could not be installed: no network"):
+        _chromium()
