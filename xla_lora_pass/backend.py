@@ -162,6 +162,9 @@ class CompiledLoRAGraph:
         if len(slots) == 1 and None not in slots and values == slots:
             return
         reasons = {n.site: n.reason for n in self.report.near_misses}
+        if self.report.error:  # no pattern ran at all: the failure is the reason
+            reasons = dict.fromkeys(self.leftovers, f"the rewrite failed and the graph was compiled unrewritten "
+                                                    f"({self.report.error})")
         layers = "; ".join(f"{site} (adapter {ref.adapter!r}): {reasons.get(site, 'not rewritten')}"
                            for site, ref in sorted(self.leftovers.items()))
         raise UnsupportedMappingError(

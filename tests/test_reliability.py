@@ -1,0 +1,351 @@
+"""Issue 7: bad input gets a clear, early error; a failed rewrite falls back and never gives a wrong answer.
+
+Every bad input of ``BAD_INPUTS`` is tried on ONE compiled tiny PEFT Llama on
+the XLA device; after each error the same compiled model must serve the next
+good request, equal to eager PEFT, with no new XLA program and no new
+backend compile.  ``python -m tests.test_reliability`` prints the table of
+errors from the same cases.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, List, Optional
+
+import pytest
+import torch
+
+import graph_rewrites
+import xla_lora_pass as xlp
+from xla_lora_pass import config
+from xla_lora_pass.demo_models import eager_reference, per_sequence_mapping, tiny_peft_llama
+
+from .xla_utils import xla_compiles
+
+Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+WARM_ROWS = ["sql", "chat"]
+GOOD_ROWS = ["code", None]  # the good request after every bad one
+SEQ = 4
+MAX_TOKENS = 32  # [2, 20] is too many tokens
+BUCKETS = (8,)  # seq 12 is past the largest bucket, 24 tokens are not too many
+
+
+@dataclasses.dataclass
+class Served:
+    model: torch.nn.Module
+    meta: xlp.LoRAMetadata
+    backend: xlp.LoRABackend
+    compiled: Callable
+    device: torch.device
+    ids: torch.Tensor  # [2, 20]; calls use a prefix of the sequence
+    reference: torch.Tensor  # eager PEFT, ids[:, :SEQ] on GOOD_ROWS
+
+    def run(self, seq: int = SEQ) -> torch.Tensor:
+        with torch.no_grad():
+            return self.compiled(input_ids=self.ids[:, :seq].to(self.device)).logits.cpu()
+
+    def good_request(self) -> float:
+        """The next good request: a new mapping, a call, and the max abs error against eager PEFT."""
+        self.meta.set_token_adapters(per_sequence_mapping(GOOD_ROWS, SEQ))
+        return (self.run() - self.reference).abs().max().item()
+
+
+def _state(a_shape=(2, 32), b_shape=(32, 2), dtype=torch.float32, device="cpu", fill: Optional[dict] = None):
+    """A one-site PEFT-style state dict for q_proj of layer 0, random unless ``fill`` says otherwise."""
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(a_shape, generator=g).to(dtype=dtype, device=device) if device != "meta" else \
+        torch.empty(a_shape, dtype=dtype, device="meta")
+    b = torch.randn(b_shape, generator=g).to(dtype=dtype, device=device) if device != "meta" else \
+        torch.empty(b_shape, dtype=dtype, device="meta")
+    for (which, index), value in (fill or {}).items():
+        (a if which == "A" else b)[index] = value
+    return {f"{Q0}.lora_A.weight": a, f"{Q0}.lora_B.weight": b}
+
+
+@dataclasses.dataclass
+class BadInput:
+    label: str
+    action: Callable[[Served], object]
+    error: type
+    match: str
+
+    @property
+    def sets_mapping(self) -> bool:
+        """A compiled-call case: its (good) mapping is set on purpose before the refused call."""
+        return getattr(self.action, "sets_mapping", False)
+
+
+def _call_with(mapping, seq):
+    def action(s: Served):
+        s.meta.set_token_adapters(mapping)
+        return s.run(seq)
+    action.sets_mapping = True
+    return action
+
+
+def _set(mapping):
+    return lambda s: s.meta.set_token_adapters(mapping)
+
+
+def _load(state, name="fresh", **kw):
+    kw.setdefault("scaling", 1.0)
+    return lambda s: s.meta.load_adapter(name, state() if callable(state) else state, **kw)
+
+
+BAD_INPUTS: List[BadInput] = [
+    # set_token_adapters
+    BadInput("unknown adapter name", _set(["sql"] * 4 + ["nope"] * 4), KeyError, r"token 4: unknown adapter 'nope'"),
+    BadInput("slot past the slots", _set([0] * 7 + [9]), ValueError, r"token 7: slot 9 is not a loaded slot; valid: -1 and \[0, 1, 2\]"),
+    BadInput("free slot", _set([3] * 8), ValueError, r"slot 3 is not a loaded slot"),
+    BadInput("negative slot other than -1", _set([-2] * 8), ValueError, r"slot -2 is not a loaded slot"),
+    BadInput("bool entry", _set([True] * 8), TypeError, r"token 0: expected str, int or None, got True"),
+    BadInput("float entry", _set([1.0] * 8), TypeError, r"expected str, int or None, got 1.0"),
+    BadInput("a bare string", _set("sql"), TypeError, r"expected a sequence with one entry per token"),
+    BadInput("2-d tensor", _set(torch.zeros(2, 4, dtype=torch.int32)), TypeError, r"1-d integer tensor"),
+    BadInput("float tensor", _set(torch.zeros(8)), TypeError, r"1-d integer tensor, got torch.float32"),
+    BadInput("mapping longer than max_num_tokens", _set(["sql"] * 33), ValueError,
+             r"33 tokens exceed max_num_tokens=32"),
+    # the compiled call
+    BadInput("mapping shorter than the call", _call_with(["sql"] * 7, SEQ), xlp.UnsupportedMappingError,
+             r"mapping has 7 entries but this call has 8 tokens \(token dims \[2, 4\]\)"),
+    BadInput("mapping longer than the call", _call_with(["sql"] * 12, SEQ), xlp.UnsupportedMappingError,
+             r"mapping has 12 entries but this call has 8 tokens"),
+    BadInput("more tokens than the largest bucket", _call_with(["sql"] * 24, 12), ValueError,
+             r"size 12 exceeds the largest bucket 8"),
+    # uniform on the active adapter: what a fallback graph would have computed, so only the count refuses it
+    BadInput("more tokens than max_num_tokens", _call_with(["sql"] * 32, 20), ValueError,
+             r"this call has 40 tokens \(token dims \[2, 20\]\), more than max_num_tokens=32"),
+    # load_adapter
+    BadInput("A rank above the site's stacked rank", _load(_state((9, 32), (32, 9))), ValueError,
+             r"q_proj.lora_A: expected \[r, 32\] with 1 <= r <= 8 \(the site's stacked rank\), got \[9, 32\]"),
+    BadInput("A of the wrong in_features", _load(_state((2, 31))), ValueError, r"lora_A: expected \[r, 32\].*got \[2, 31\]"),
+    BadInput("1-d A", _load(_state((32,))), ValueError, r"lora_A: expected \[r, 32\].*got \[32\]"),
+    BadInput("B of the wrong shape", _load(_state(b_shape=(31, 2))), ValueError, r"lora_B: expected \[32, 2\], got \[31, 2\]"),
+    BadInput("integer dtype", _load(_state(dtype=torch.int64)), TypeError, r"lora_A: expected a floating-point tensor"),
+    BadInput("complex dtype", _load(_state(dtype=torch.complex64)), TypeError, r"expected a floating-point tensor"),
+    BadInput("meta device", _load(_state(device="meta")), ValueError, r"lora_A: a meta tensor holds no data"),
+    BadInput("sparse tensor", _load(lambda: {k: v.to_sparse() for k, v in _state().items()}), TypeError,
+             r"expected a dense tensor"),
+    BadInput("NaN in A", _load(_state(fill={("A", (0, 3)): float("nan")})), ValueError,
+             r"load_adapter\('fresh'\): .*q_proj: lora_A has 1 NaN or inf value"),
+    BadInput("inf in B", _load(_state(fill={("B", (5, 1)): float("inf")})), ValueError,
+             r"lora_B \* scaling \(1.0\) has 1 NaN or inf value"),
+    BadInput("B overflows float32 once scaled", _load(_state(), scaling=1e39), ValueError,
+             r"lora_B \* scaling \(1e\+39\) has \d+ NaN or inf value"),
+    BadInput("NaN scaling", _load(_state(), scaling=float("nan")), ValueError, r"scaling must be finite, got nan"),
+    BadInput("string scaling", _load(_state(), scaling="2"), TypeError, r"scaling must be a real number, got '2'"),
+    BadInput("no scaling and no config", _load(_state(), scaling=None), ValueError, r"give scaling= or a LoraConfig"),
+    BadInput("key naming no site", _load({"model.nowhere.lora_A.weight": torch.randn(2, 32)}), KeyError,
+             r"names no registered LoRA site"),
+    BadInput("A without B", _load({f"{Q0}.lora_A.weight": torch.randn(2, 32)}), KeyError, r"needs both lora_A and lora_B"),
+    BadInput("not a LoRA key", _load({f"{Q0}.base_layer.weight": torch.randn(32, 32)}), KeyError,
+             r"is not a lora_A / lora_B weight"),
+    BadInput("adapter name None", _load(_state(), name=None), TypeError, r"adapter name must be a non-empty str, got None"),
+    BadInput("state is a list", _load([torch.randn(2, 32)]), TypeError, r"state must be a mapping"),
+    BadInput("empty state", _load({}), ValueError, r"state holds no lora_A / lora_B weights"),
+]
+
+
+def make_served(xla_device) -> Served:
+    """The one compiled model every bad input is tried on, warmed up."""
+    torch._dynamo.reset()
+    model, names = tiny_peft_llama()
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    reference = eager_reference(model, ids[:, :SEQ], GOOD_ROWS)
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=MAX_TOKENS, max_slots=4)
+    meta.register_adapters(model)
+    backend = xlp.make_backend(meta, buckets=xlp.Buckets(BUCKETS))
+    s = Served(model, meta, backend, torch.compile(model, backend=backend), xla_device, ids, reference)
+    # Warm up as a server would: two sequence lengths make Dynamo's graph dynamic in the sequence.
+    for seq in (SEQ, 6, SEQ):
+        s.meta.set_token_adapters(per_sequence_mapping(WARM_ROWS, seq))
+        s.run(seq)
+    assert s.good_request() < 1e-4
+    return s
+
+
+@pytest.fixture(scope="module")
+def served(xla_device) -> Served:
+    return make_served(xla_device)
+
+
+def _snapshot(meta: xlp.LoRAMetadata):
+    mapping = meta.mapping()
+    return (meta.slots, None if mapping is None else mapping.tolist(),
+            {site: [t.clone() for t in meta._host_stacks[site]] for site in meta.sites})
+
+
+def try_bad_input(s: Served, bad: BadInput):
+    """Run one bad input; returns (error, seconds, new XLA compiles, new backend compiles, good request's error).
+
+    Also checks that the refused call left the metadata exactly as it was.
+    """
+    s.meta.set_token_adapters(per_sequence_mapping(GOOD_ROWS, SEQ))
+    before = _snapshot(s.meta)
+    xla_before, compiles_before = xla_compiles(), s.meta.stats["compiles"]
+    start = time.perf_counter()
+    with pytest.raises(bad.error, match=bad.match) as caught:
+        bad.action(s)
+    seconds = time.perf_counter() - start
+    after = _snapshot(s.meta)
+    if not bad.sets_mapping:
+        assert after[1] == before[1], "a refused mapping replaced the old one"
+    assert after[0] == before[0], "a refused call changed the slots"
+    for site in before[2]:
+        assert all(torch.equal(x, y) for x, y in zip(before[2][site], after[2][site])), site
+    good_error = s.good_request()
+    return (caught.value, seconds, xla_compiles() - xla_before, s.meta.stats["compiles"] - compiles_before,
+            good_error)
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS, ids=[b.label for b in BAD_INPUTS])
+def test_bad_input_is_refused_and_the_same_model_serves_the_next_request(served, bad):
+    _, _, new_xla, new_compiles, good_error = try_bad_input(served, bad)
+    assert good_error < 1e-4
+    assert (new_xla, new_compiles) == (0, 0)
+
+
+def test_no_bad_input_compiled_anything(served):
+    """Every program the model has: the static first trace and the one bucket of the dynamic graph."""
+    assert served.meta.stats["compiles"] == 2
+    assert set(served.meta.stats["bucket_hits"]) == {(2, 4), (2, 8)}
+
+
+def test_load_adapter_copies_weights_from_any_device_and_refuses_a_full_house(served):
+    """Weights on the XLA device (and of another float dtype) are accepted: copied, cast, never kept."""
+    s = served
+    xla_before, compiles_before = xla_compiles(), s.meta.stats["compiles"]
+    state = _state((3, 32), (32, 3), dtype=torch.bfloat16, device=s.device)
+    assert s.meta.load_adapter("fresh", state, scaling=0.5) == 3
+    a, b = s.meta.stacked_weights(Q0, "cpu")
+    assert a.dtype == torch.float32
+    torch.testing.assert_close(a[3, :3], state[f"{Q0}.lora_A.weight"].cpu().float())
+    torch.testing.assert_close(b[3, :, :3], state[f"{Q0}.lora_B.weight"].cpu().float() * 0.5)
+    s.meta.set_token_adapters(per_sequence_mapping([None, "fresh"], SEQ))
+    with_fresh = s.run()
+    s.meta.set_token_adapters(per_sequence_mapping([None, None], SEQ))
+    base = s.run()
+    assert torch.equal(with_fresh[0], base[0]) and (with_fresh[1] - base[1]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"load_adapter\('another'\): all 4 slots are taken"):
+        s.meta.load_adapter("another", _state(), scaling=1.0)
+    assert s.good_request() < 1e-4
+    assert (xla_compiles() - xla_before, s.meta.stats["compiles"] - compiles_before) == (0, 0)
+
+
+def test_model_without_lora_layers_warns_and_still_runs(xla_device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        reference = model(x)
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    with pytest.warns(UserWarning, match="Sequential has no LoRA layers: the backend will compile it unchanged"):
+        assert meta.register_adapters(model) == []
+    with pytest.raises(KeyError, match=r"unknown adapter 'sql'; registered: \[\]"):
+        meta.set_token_adapters(["sql"] * 4)
+    with pytest.raises(RuntimeError, match="no LoRA sites are registered"):
+        meta.load_adapter("sql", _state(), scaling=1.0)
+    compiled = torch.compile(model.to(xla_device), backend=xlp.make_backend(meta))
+    with torch.no_grad():
+        out = compiled(x.to(xla_device)).cpu()  # no mapping at all
+        meta.set_token_adapters([None] * 4)
+        again = compiled(x.to(xla_device)).cpu()
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out, again)
+    assert meta.stats["compiles"] == 1 and meta.stats["rewrites"] == {} and meta.stats["fallbacks"] == 0
+
+
+# ------------------------------------------------------------ rewrite fallback
+INJECTED = "injected: a graph the pattern did not expect"
+
+
+def _raising_pass(gm, ctx):
+    raise RuntimeError(INJECTED)
+
+
+@pytest.fixture
+def broken_lora_linear(monkeypatch):
+    """The lora_linear pass raises on every graph, as it would on an unexpected one."""
+    passes = [(name, _raising_pass if name == "lora_linear" else fn) for name, fn in graph_rewrites.PASSES]
+    monkeypatch.setattr(graph_rewrites, "PASSES", passes)
+
+
+def test_failed_rewrite_falls_back_logs_once_and_stays_correct(broken_lora_linear, xla_device, caplog):
+    torch._dynamo.reset()
+    caplog.set_level(logging.WARNING, logger="xla_lora_pass")
+    model, names = tiny_peft_llama(num_hidden_layers=1)
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    reference = eager_reference(model, ids, ["sql", "sql"])  # "sql" is the active adapter
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=MAX_TOKENS)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+
+    def run():
+        with torch.no_grad():
+            return compiled(input_ids=ids.to(xla_device)).logits.cpu()
+
+    meta.set_token_adapters(["sql"] * 8)
+    first = run()
+    assert (first - reference).abs().max().item() < 1e-4
+    # The unrewritten graph computes the active adapter for every token: anything else is refused.
+    for mapping, what in ((["sql"] * 4 + ["chat"] * 4, r"got slots \[0, 1\]"), (["chat"] * 8, r"got slots \[1\]"),
+                          ([None] * 8, r"got slots \[-1\]"), (["sql"] * 4 + [None] * 4, r"got slots \[-1, 0\]")):
+        meta.set_token_adapters(mapping)
+        with pytest.raises(xlp.UnsupportedMappingError,
+                           match=r"LoRA layers that were not rewritten, which compute the active adapter \['sql'\] "
+                                 r"for every token.*" + what + r".*q_proj \(adapter 'sql'\): the rewrite failed and the graph was compiled unrewritten "
+                                 r"\(RuntimeError: injected"):
+            run()
+    meta.set_token_adapters(["sql"] * 7)  # uniform, but not one entry per token
+    with pytest.raises(xlp.UnsupportedMappingError, match="7 entries but this call has 8 tokens"):
+        run()
+    meta.set_token_adapters(["sql"] * 8)
+    assert torch.equal(run(), first)
+    failures = [r for r in caplog.records if "LoRA rewrite failed" in r.getMessage()]
+    assert len(failures) == 1, [r.getMessage() for r in failures]
+    assert INJECTED in failures[0].getMessage() and failures[0].levelno == logging.WARNING
+    assert meta.stats["fallbacks"] == 1 and meta.stats["rewrites"] == {} and meta.stats["compiles"] == 1
+
+
+def test_fallback_off_turns_a_failed_rewrite_into_an_error(broken_lora_linear, monkeypatch):
+    """config.fallback_on_error=False: the failure itself surfaces (CPU; nothing is compiled)."""
+    from .models import peft_two_layer
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(config, "fallback_on_error", False)
+    model = peft_two_layer()
+    meta = xlp.LoRAMetadata(max_num_tokens=MAX_TOKENS)
+    meta.register_adapters(model)
+    meta.set_token_adapters(["sql"] * 2)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner="aot_eager"))
+    with pytest.raises(Exception, match=INJECTED) as caught:
+        with torch.no_grad():
+            compiled(torch.randn(2, 16))
+    assert isinstance(caught.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert meta.stats["fallbacks"] == 0 and meta.stats["compiles"] == 0
+    torch._dynamo.reset()
+
+
+def _table() -> str:
+    """The bad-input table of the final report, from the same cases and the same checks."""
+    import torch_xla
+
+    rows = ["| bad input | error (type: message) | seconds | next good request | new XLA / backend compiles |",
+            "|---|---|---|---|---|"]
+    s = make_served(torch_xla.device())
+    for bad in BAD_INPUTS:
+        err, seconds, new_xla, new_compiles, good_error = try_bad_input(s, bad)
+        msg = str(err).replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {bad.label} | {type(err).__name__}: {msg} | {seconds:.3f} | "
+                    f"{'ok' if good_error < 1e-4 else 'WRONG'} (max abs err {good_error:.1e}) | {new_xla} / {new_compiles} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import os
+
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    print(_table())
