@@ -8,7 +8,10 @@ import os
 # Which graph_rewrites passes run (name -> on/off); a missing name is on.
 passes = {
     "normalize": True,
+    "lora_embedding": True,
+    "lora_bias": True,
     "lora_linear": True,
+    "fuse_shared_shrink": True,
 }
 
 # When a pass raises on an unexpected graph: True compiles the graph unrewritten
@@ -16,8 +19,10 @@ passes = {
 # re-raises, which tests use to see the failure itself.
 fallback_on_error = True
 
-# Write every graph the backend sees (before, after, report) under this folder,
-# one subfolder per compile.  None: no dumps.
+# Write every graph the backend sees under this folder, one subfolder
+# compile_NNN per compile: before.py, after.py, report.txt, view.html
+# (xla_lora_pass/dump).  None: no files (TORCH_TRACE artifacts are written
+# whenever TORCH_TRACE is set, whatever this says).
 dump_dir = os.environ.get("XLA_LORA_DUMP_DIR") or None
 
 # torch_xla turns Dynamo's automatic dynamic shapes off when it is imported,
