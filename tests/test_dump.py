@@ -274,3 +274,23 @@ def test_missing_chromium_fails_in_ci_unless_ci_explained_why(monkeypatch):
     monkeypatch.setenv("CHROMIUM_UNAVAILABLE", "no network")
     with pytest.raises(pytest.skip.Exception, match="could not be installed: no network"):
         _chromium()
+
+
+def test_node_changes_and_node_lines_of_one_site():
+    """NodeChanges tells new, replaced and untouched nodes apart by name; node_line shows the kernel call."""
+    from xla_lora_pass.dump.views import node_line
+
+    model, args = two_layer_factory()
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    meta.register_adapters(model)
+    [dump] = cli.dump_model(model, args, {}, meta)
+    ch = dump.changes()
+    [site] = dump.report.sites
+    assert set(ch.replaced) == set(site.replaced) and not ch.near_miss and not ch.removed
+    new = {n.name: n for n in dump.after.graph.nodes if n.name in ch.new}
+    assert {"lora_token_indices", "lora_a_base_model_model_proj", "lora_b_base_model_model_proj"} <= set(new)
+    lines = {name: node_line(node) for name, node in new.items()}
+    assert lines["lora_token_indices"] == "lora_token_indices: i32[64]  # input, fed by the backend: token_indices"
+    [shrink] = [line for line in lines.values() if line.startswith("bgmv_shrink")]
+    assert shrink.startswith("bgmv_shrink_default: f32[6, 4] = torch.ops.xla_lora.bgmv_shrink.default(")
+    assert "lora_a_base_model_model_proj" in shrink, shrink
