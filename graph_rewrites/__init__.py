@@ -12,11 +12,15 @@ from typing import Callable, Dict, List, Mapping, Tuple
 
 import torch.fx as fx
 
-from .annotations import (LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, TOKEN_INDICES, GraphInputRequest,
-                          LoRAWeightRef)
+from .annotations import (LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES,
+                          GraphInputRequest, LoRAWeightRef)
+from .fuse_shared_shrink import GROUP_SEPARATOR, fuse_shared_shrinks
 from .fx_utils import drop_none_bias, remove_eval_dropout
+from .lora_bias import rewrite_lora_bias
+from .lora_embedding import rewrite_lora_embedding
 from .lora_linear import rewrite_lora_linear
 from .report import NearMiss, RewriteContext, RewriteReport, SiteRewrite
+from .site_inputs import find_token_layout
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +35,21 @@ class PassResult:
 
 def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     removed = remove_eval_dropout(gm)
-    return (drop_none_bias(gm) + removed) > 0
+    changed = (drop_none_bias(gm) + removed) > 0
+    # The mapping's layout: the token dims most LoRA sites apply to.
+    ctx.token_layout = ctx.report.token_layout = find_token_layout(gm)
+    return changed
 
 
 # name -> pass, in the order they run.  ``normalize`` strips identities the
-# patterns would otherwise need variants for (eval dropout, a None bias).
+# patterns would otherwise need variants for (eval dropout, a None bias) and
+# finds the token layout; the fusion runs after every site is rewritten.
 PASSES: List[Tuple[str, Callable[[fx.GraphModule, RewriteContext], bool]]] = [
     ("normalize", _normalize),
+    ("lora_embedding", rewrite_lora_embedding),
+    ("lora_bias", rewrite_lora_bias),
     ("lora_linear", rewrite_lora_linear),
+    ("fuse_shared_shrink", fuse_shared_shrinks),
 ]
 
 
@@ -68,7 +79,7 @@ def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, LoRAWeightRef]:
 
 
 __all__ = [
-    "LORA_INPUT", "LORA_WEIGHT", "STACKED_A", "STACKED_B", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
+    "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A", "STACKED_B", "STACKED_BIAS", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
     "NearMiss", "PASSES", "PassResult", "RewriteContext", "RewriteReport", "SiteRewrite", "run_passes",
     "unrewritten_lora_weights",
 ]

@@ -20,6 +20,7 @@ LORA_INPUT = "xla_lora_input"
 TOKEN_INDICES = "token_indices"
 STACKED_A = "stacked_a"
 STACKED_B = "stacked_b"
+STACKED_BIAS = "stacked_bias"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ class LoRAWeightRef:
 class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
-    kind: str  # TOKEN_INDICES, STACKED_A or STACKED_B
+    kind: str  # TOKEN_INDICES, STACKED_A, STACKED_B or STACKED_BIAS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32

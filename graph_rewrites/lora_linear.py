@@ -7,9 +7,11 @@ becomes
     t = bgmv_shrink(x2d, stacked_A, idx, 1.0)
     y = bgmv_expand(t, stacked_B, base(x)2d, idx)  (each slot's scaling is folded into stacked_B)
 
-The base op is left alone, whatever it is (``linear``, ``addmm``, ...).  The
-patterns are example functions traced into graphs and matched with
-``SubgraphMatcher``; ``near_miss_reason`` is the extra check.
+The base op is left alone, whatever it is (``linear``, ``addmm`` for GPT-2's
+Conv1D, ...).  The patterns are example functions traced into graphs and
+matched with ``SubgraphMatcher``; ``near_miss_reason`` is the extra check.
+``lm_head`` on selected rows (pattern 4) is this pattern with the row
+selection applied to the index grid (``site_inputs.site_indices``).
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ import torch.nn.functional as F
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 from . import fx_utils
-from .annotations import LORA_WEIGHT, STACKED_A, STACKED_B, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef
+from .annotations import LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, LoRAWeightRef
 from .report import NearMiss, RewriteContext, SiteRewrite
+from .site_inputs import device_of, dims_key, site_indices, stacked_input
 
 PATTERN_NAME = "lora_linear"
 
@@ -52,6 +55,9 @@ def _combine_delta_first(base, delta, scale):
     return delta * scale + base
 
 
+COMBINE_FORMS = (_combine_delta_scale, _combine_scale_delta, _combine_delta_first)
+
+
 def _make_pattern(delta_fn: Callable, combine_fn: Callable) -> Callable:
     def lora_linear_pattern(x, base, lora_a, lora_b, scale):
         return combine_fn(base, delta_fn(x, lora_a, lora_b), scale)
@@ -61,12 +67,8 @@ def _make_pattern(delta_fn: Callable, combine_fn: Callable) -> Callable:
 
 def lora_linear_patterns() -> List[fx.Graph]:
     """Every traced form of the pattern: the delta's matmul form x where the scale stands."""
-    graphs = []
-    for delta_fn, combine_fn in itertools.product(
-        (_delta_linear, _delta_matmul), (_combine_delta_scale, _combine_scale_delta, _combine_delta_first)
-    ):
-        graphs.append(fx.symbolic_trace(_make_pattern(delta_fn, combine_fn)).graph)
-    return graphs
+    return [fx.symbolic_trace(_make_pattern(d, c)).graph
+            for d, c in itertools.product((_delta_linear, _delta_matmul), COMBINE_FORMS)]
 
 
 @dataclasses.dataclass
@@ -80,13 +82,15 @@ class LinearMatch:
     scale: Optional[float]
     output: fx.Node
     nodes: List[fx.Node]  # every matched compute node, to erase once replaced
+    lora_bias: Optional[fx.Node] = None
 
     @property
     def weight(self) -> Optional[LoRAWeightRef]:
         return self.lora_a.meta.get(LORA_WEIGHT)
 
 
-def _to_linear_match(match: InternalMatch, pattern: fx.Graph) -> LinearMatch:
+def to_match(match: InternalMatch, pattern: fx.Graph) -> LinearMatch:
+    """Name the matched graph nodes after the pattern's placeholders."""
     by_name = {p.name: match.nodes_map[p] for p in pattern.find_nodes(op="placeholder")}
     compute = [n for p, n in match.nodes_map.items() if p.op not in ("placeholder", "output")]
     scale = by_name["scale"]
@@ -94,33 +98,39 @@ def _to_linear_match(match: InternalMatch, pattern: fx.Graph) -> LinearMatch:
     return LinearMatch(
         x=by_name["x"], base=by_name["base"], lora_a=by_name["lora_a"], lora_b=by_name["lora_b"],
         scale=float(scale) if is_number else None, output=match.returning_nodes[0], nodes=compute,
+        lora_bias=by_name.get("lora_bias"),
     )
 
 
-def _leading_dims(node: fx.Node):
+def _leading_key(node: fx.Node):
     value = fx_utils.example_value(node)
-    return None if value is None else tuple(value.shape[:-1])
+    return None if not isinstance(value, torch.Tensor) else dims_key(value.shape[:-1])
 
 
-def near_miss_reason(m: LinearMatch) -> Optional[str]:
-    """None if the match may be rewritten, else why it must be left exactly as it is."""
+def weights_reason(m: LinearMatch, kind: str = "linear") -> Optional[str]:
+    """Why A/B/scale do not make one registered adapter's delta (None if they do)."""
     ref_a, ref_b = m.lora_a.meta.get(LORA_WEIGHT), m.lora_b.meta.get(LORA_WEIGHT)
     if ref_a is None or ref_b is None:
         return "the LoRA weights are not registered adapter parameters"
-    if ref_a.role != "A" or ref_b.role != "B" or (ref_a.site, ref_a.adapter) != (ref_b.site, ref_b.adapter):
-        return f"A and B are not one adapter's pair ({ref_a.site}:{ref_a.role}, {ref_b.site}:{ref_b.role})"
-    if ref_a.kind != "linear":
-        return f"site kind is {ref_a.kind}, not linear"
     if ref_a.unsupported:
         return ref_a.unsupported
+    if ref_a.role != "A" or ref_b.role != "B" or (ref_a.site, ref_a.adapter) != (ref_b.site, ref_b.adapter):
+        return f"A and B are not one adapter's pair ({ref_a.site}:{ref_a.role}, {ref_b.site}:{ref_b.role})"
+    if ref_a.kind != kind:
+        return f"site kind is {ref_a.kind}, not {kind}"
     if m.scale is None:
         return "the delta is scaled by a tensor, not the adapter's constant scaling"
     if not math.isclose(m.scale, ref_a.scaling, rel_tol=1e-6):
         return f"the graph scales the delta by {m.scale}, the adapter's scaling is {ref_a.scaling}"
-    x_dims, base_dims = _leading_dims(m.x), _leading_dims(m.base)
-    if x_dims is not None and x_dims != base_dims:
-        return f"token dims of x {x_dims} and of the base output {base_dims} differ"
     return None
+
+
+def near_miss_reason(m: LinearMatch) -> Optional[str]:
+    """None if the match may be rewritten, else why it must be left exactly as it is."""
+    reason = weights_reason(m)
+    if reason is None and _leading_key(m.x) != _leading_key(m.base):
+        return f"token dims of x {_leading_key(m.x)} and of the base output {_leading_key(m.base)} differ"
+    return reason
 
 
 def should_rewrite_lora_linear(m: LinearMatch) -> bool:
@@ -128,44 +138,49 @@ def should_rewrite_lora_linear(m: LinearMatch) -> bool:
     return near_miss_reason(m) is None
 
 
-def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext) -> fx.Node:
-    """Insert the shrink/expand nodes before ``m.output`` and return the new output node."""
+def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext):
+    """Insert the shrink/expand nodes before ``m.output``; returns (new output, idx node) or (None, reason)."""
     ref: LoRAWeightRef = m.weight
-    device = fx_utils.example_value(m.x).device if fx_utils.example_value(m.x) is not None else None
-    idx = fx_utils.get_or_add_input(
-        graph, "lora_token_indices", GraphInputRequest(TOKEN_INDICES, None, (ctx.max_num_tokens,)), device
-    )
-    safe = ref.site.replace(".", "_")
-    stacked_a = fx_utils.get_or_add_input(
-        graph, f"lora_a_{safe}",
-        GraphInputRequest(STACKED_A, ref.site, (ref.num_slots, ref.stacked_rank, ref.in_features), ref.dtype), device,
-    )
-    stacked_b = fx_utils.get_or_add_input(
-        graph, f"lora_b_{safe}",
-        GraphInputRequest(STACKED_B, ref.site, (ref.num_slots, ref.out_features, ref.stacked_rank), ref.dtype), device,
-    )
+    device = device_of(m.x)
     with graph.inserting_before(m.output):
         x2d = fx_utils.call(graph, "call_method", "reshape", m.x, -1, ref.in_features)
+        idx, reason = site_indices(graph, ctx, m.x, x2d, 1, device)
+        if idx is None:
+            graph.erase_node(x2d)
+            return None, reason
+        stacked_a = stacked_input(graph, ref, STACKED_A, (ref.num_slots, ref.stacked_rank, ref.in_features), device)
+        stacked_b = stacked_input(graph, ref, STACKED_B, (ref.num_slots, ref.out_features, ref.stacked_rank), device)
         base2d = fx_utils.call(graph, "call_method", "reshape", m.base, -1, ref.out_features)
-        num_tokens = fx_utils.call(graph, "call_method", "size", x2d, 0)
-        idx_t = fx_utils.call(graph, "call_method", "narrow", idx, 0, 0, num_tokens)
+        out_dtype = fx_utils.example_value(m.output).dtype
+        if fx_utils.example_value(m.base).dtype != out_dtype:
+            # The eager add promotes (bf16 base + fp32 LoRA -> fp32): keep that dtype.
+            base2d = fx_utils.call(graph, "call_method", "to", base2d, out_dtype)
         shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink.default,
-                               x2d, stacked_a, idx_t, 1.0)
+                               x2d, stacked_a, idx, 1.0)
         expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand.default,
-                                 shrunk, stacked_b, base2d, idx_t, True)
+                                 shrunk, stacked_b, base2d, idx, True)
+        expanded = add_site_bias(graph, m, ref, expanded, idx, device)
         out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
-    return out
+    return out, None
 
 
-def find_lora_linear(gm: fx.GraphModule) -> List[LinearMatch]:
-    """Every non-overlapping match of any traced form, in graph order."""
+def add_site_bias(graph, m: LinearMatch, ref: LoRAWeightRef, y2d, idx, device):
+    """LoRA bias (pattern 5): per-slot bias rows, scaled, gathered per token; none for -1."""
+    if m.lora_bias is None:
+        return y2d
+    stacked = stacked_input(graph, ref, STACKED_BIAS, (ref.num_slots, ref.out_features), device)
+    return fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_bias.default, y2d, stacked, idx)
+
+
+def find_matches(gm: fx.GraphModule, patterns: List[fx.Graph]) -> List[LinearMatch]:
+    """Every non-overlapping match of any of ``patterns``, in graph order."""
     matches: List[LinearMatch] = []
     claimed = set()
-    for pattern in lora_linear_patterns():
+    for pattern in patterns:
         matcher = SubgraphMatcher(pattern, match_output=False, match_placeholder=False,
                                   remove_overlapping_matches=True, ignore_literals=False)
         for im in matcher.match(gm.graph):
-            m = _to_linear_match(im, pattern)
+            m = to_match(im, pattern)
             if any(n in claimed for n in m.nodes):
                 continue
             claimed.update(m.nodes)
@@ -174,28 +189,35 @@ def find_lora_linear(gm: fx.GraphModule) -> List[LinearMatch]:
     return sorted(matches, key=lambda m: order[m.output])
 
 
-def rewrite_lora_linear(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
-    """Rewrite every LoRA linear site of ``gm`` in place; record sites and near misses."""
+def apply_matches(gm: fx.GraphModule, ctx: RewriteContext, matches: List[LinearMatch], pattern_name: str,
+                  reason_fn: Callable[[LinearMatch], Optional[str]], replace_fn: Callable) -> bool:
+    """Rewrite each match the check accepts; record sites and near misses.  Shared by patterns."""
     modified = False
-    report = ctx.report
-    for m in find_lora_linear(gm):
+    for m in matches:
         ref = m.weight
-        reason = near_miss_reason(m)
+        reason = reason_fn(m)
+        new_out = None
+        if reason is None:
+            new_out, reason = replace_fn(gm.graph, m, ctx)
         if reason is not None:
-            report.near_misses.append(NearMiss(ref.site if ref else None, PATTERN_NAME, reason,
-                                               [n.name for n in m.nodes]))
+            ctx.report.near_misses.append(NearMiss(ref.site if ref else None, pattern_name, reason,
+                                                   [n.name for n in m.nodes]))
             continue
-        new_out = lora_linear_replacement(gm.graph, m, ctx)
         replaced = [n.name for n in m.nodes]
         m.output.replace_all_uses_with(new_out)
         fx_utils.erase_dead(m.nodes)
-        report.sites.append(SiteRewrite(
-            site=ref.site, pattern=PATTERN_NAME, adapter=ref.adapter,
-            x_shape=_shape(m.x), out_shape=_shape(new_out), rank=ref.stacked_rank,
-            num_slots=ref.num_slots, replaced=replaced,
+        ctx.report.sites.append(SiteRewrite(
+            site=ref.site, pattern=pattern_name, adapter=ref.adapter, x_shape=_shape(m.x),
+            out_shape=_shape(new_out), rank=ref.stacked_rank, num_slots=ref.num_slots, replaced=replaced,
         ))
         modified = True
     return modified
+
+
+def rewrite_lora_linear(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
+    """Rewrite every LoRA linear site of ``gm`` in place; record sites and near misses."""
+    return apply_matches(gm, ctx, find_matches(gm, lora_linear_patterns()), PATTERN_NAME, near_miss_reason,
+                         lora_linear_replacement)
 
 
 def _shape(node: fx.Node):

@@ -35,6 +35,7 @@ class RewriteContext:
 
     max_num_tokens: int
     report: "RewriteReport"
+    token_layout: Optional[Tuple] = None  # example dims (int/SymInt) the mapping is laid out over
 
 
 @dataclasses.dataclass
@@ -42,6 +43,8 @@ class RewriteReport:
     sites: List[SiteRewrite] = dataclasses.field(default_factory=list)
     near_misses: List[NearMiss] = dataclasses.field(default_factory=list)
     error: Optional[str] = None  # set when the rewrite failed and the graph was left alone
+    token_layout: Optional[Tuple] = None  # the graph's token dims (int/SymInt), when it has LoRA sites
+    shrinks_fused: int = 0  # shrink calls saved by fusing sites that share an input
 
     def counts(self) -> Dict[str, int]:
         """Sites rewritten per pattern name."""

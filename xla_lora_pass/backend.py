@@ -121,7 +121,7 @@ class CompiledLoRAGraph:
         self.inner = inner
         self.extra_requests = [n.meta[LORA_INPUT] for n in gm.graph.find_nodes(op="placeholder")
                                if LORA_INPUT in n.meta]
-        layout = report.sites[0].x_shape[:-1] if report.sites and report.sites[0].x_shape else None
+        layout = report.token_layout if report.sites else None
         self.shapes = GraphShapes.analyze(gm, num_args, layout)
         if self.shapes.not_bucketable:
             log.info("graph compiled per exact shape: %s", self.shapes.not_bucketable)
@@ -231,9 +231,12 @@ class CompiledLoRAGraph:
         for req in self.extra_requests:
             if req.kind == TOKEN_INDICES:
                 extras.append(self.meta.token_indices(device, token_dims, padded_dims))
-            elif req.kind in (STACKED_A, STACKED_B):
-                stacked = self.meta.stacked_weights(req.site, device)
-                extras.append(stacked[0] if req.kind == STACKED_A else stacked[1])
+            elif req.kind == STACKED_A:
+                extras.append(self.meta.stacked_weights(req.site, device)[0])
+            elif req.kind == STACKED_B:
+                extras.append(self.meta.stacked_weights(req.site, device)[1])
+            elif req.kind == STACKED_BIAS:
+                extras.append(self.meta.stacked_bias(req.site, device))
             else:
                 raise AssertionError(f"unknown graph input request {req}")
         return extras

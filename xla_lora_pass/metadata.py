@@ -42,6 +42,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from graph_rewrites import GROUP_SEPARATOR
+
 from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
 from .errors import UnsupportedMappingError
 
@@ -65,7 +67,8 @@ class LoRAMetadata:
         self._sites: Dict[str, SiteSpec] = {}
         self._param_index: Dict[int, Tuple[str, str, str]] = {}
         self._host_stacks: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._device_stacks: Dict[Tuple[str, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._device_stacks: Dict[Tuple[str, str], Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self._host_bias: Dict[str, torch.Tensor] = {}
         self._mapping: Optional[torch.Tensor] = None
         self._index_cache: Dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -125,6 +128,8 @@ class LoRAMetadata:
             self._sites = {s.name: s for s in sites}
             self.refresh_param_index()
             self._host_stacks = host_stacks
+            self._host_bias = {s.name: self._stack_bias(s, slots) for s in sites
+                               if any(w.bias is not None for w in s.adapters.values())}
             self._device_stacks.clear()
             # Slot numbers may now mean other adapters: an old mapping would pick the wrong ones.
             self._mapping = None
@@ -188,6 +193,17 @@ class LoRAMetadata:
         return stack_a, stack_b
 
     @staticmethod
+    def _stack_bias(site: SiteSpec, slots) -> torch.Tensor:
+        """Host ``[N, out]`` LoRA-bias rows, each scaled by its adapter's scaling; zero where absent."""
+        dtype = next(iter(site.adapters.values())).lora_b.dtype
+        bias = torch.zeros(len(slots), site.out_features, dtype=dtype)
+        for slot, name in enumerate(slots):
+            w = site.adapters.get(name)
+            if w is not None and w.bias is not None:
+                bias[slot] = (w.bias.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
+        return bias
+
+    @staticmethod
     def _write_slot(stack_a, stack_b, slot: int, lora_a: torch.Tensor, scaled_b: torch.Tensor) -> None:
         r = lora_a.shape[0]
         with torch.no_grad():
@@ -246,11 +262,10 @@ class LoRAMetadata:
                 else:
                     stack_a[slot].zero_()
                     stack_b[slot].zero_()
-            # Fresh transfers rather than in-place device writes: no XLA program to compile.
-            for key in list(self._device_stacks):
-                site_name, device = key
-                stack_a, stack_b = self._host_stacks[site_name]
-                self._device_stacks[key] = (stack_a.to(device), stack_b.to(device))
+            for bias in self._host_bias.values():
+                bias[slot].zero_()  # a loaded adapter brings no LoRA bias
+            # Fresh transfers at the next call rather than in-place device writes: no program to compile.
+            self._device_stacks.clear()
         return slot
 
     @staticmethod
@@ -292,14 +307,31 @@ class LoRAMetadata:
     def site_rank(self, site_name: str) -> int:
         return self._host_stacks[site_name][0].shape[1]
 
-    def stacked_weights(self, site_name: str, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The site's stacked (A, B) on ``device``, transferred once and cached."""
+    def stacked_weights(self, site_name: str, device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The site's stacked (A, B) on ``device``, transferred once and cached.
+
+        ``site_name`` may join several sites with "+" (sites fused on one
+        input): A is then their stacks concatenated along the rank dim, B None.
+        """
         key = (site_name, str(device))
         with self._lock:
             if key not in self._device_stacks:
-                stack_a, stack_b = self._host_stacks[site_name]
-                self._device_stacks[key] = (stack_a.to(device), stack_b.to(device))
+                names = site_name.split(GROUP_SEPARATOR)
+                if len(names) == 1:
+                    stack_a, stack_b = self._host_stacks[site_name]
+                    self._device_stacks[key] = (stack_a.to(device), stack_b.to(device))
+                else:
+                    fused = torch.cat([self._host_stacks[n][0] for n in names], dim=1)
+                    self._device_stacks[key] = (fused.to(device), None)
             return self._device_stacks[key]
+
+    def stacked_bias(self, site_name: str, device) -> torch.Tensor:
+        """The site's per-slot LoRA bias ``[N, out]`` (scaled) on ``device``."""
+        key = (site_name + "#bias", str(device))
+        with self._lock:
+            if key not in self._device_stacks:
+                self._device_stacks[key] = (self._host_bias[site_name].to(device), None)
+            return self._device_stacks[key][0]
 
     # --------------------------------------------------------------- mapping
     def set_token_adapters(self, mapping: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:

@@ -27,6 +27,10 @@ __all__ = [
     "bgmv_shrink_reference",
     "bgmv_expand_reference",
     "bgmv_expand_slice_reference",
+    "bgmv_embedding_shrink",
+    "bgmv_embedding_shrink_reference",
+    "bgmv_bias",
+    "bgmv_bias_reference",
 ]
 
 
@@ -162,4 +166,54 @@ def bgmv_expand_slice(
 @bgmv_expand_slice.register_fake
 def _bgmv_expand_slice_fake(x, w, y, idx, offset, size, add_inputs=True):
     _check_2d("bgmv_expand_slice", x, w, idx)
+    return torch.empty_like(y)
+
+
+# ---------------------------------------------------------------------------
+# Embedding shrink and LoRA bias (patterns 2 and 5).
+# ---------------------------------------------------------------------------
+
+
+def bgmv_embedding_shrink_reference(ids, w, idx):
+    """``[T, R]`` = column ``ids[t]`` of slot ``idx[t]``'s A ``[R, V]``; zero rows where idx == -1."""
+    valid = idx >= 0
+    rows = w[idx.clamp(min=0).long(), :, ids.long()]  # [T, R]
+    return torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
+
+
+def bgmv_bias_reference(y, bias, idx):
+    """``y + bias[idx]``; rows with idx == -1 unchanged."""
+    valid = idx >= 0
+    rows = bias[idx.clamp(min=0).long()].to(y.dtype)
+    return y + torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
+
+
+@torch.library.custom_op("xla_lora::bgmv_embedding_shrink", mutates_args=())
+def bgmv_embedding_shrink(ids: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The embedding LoRA's A lookup for every token's own slot: ``[T, R]``, zero for -1."""
+    torch._check(ids.shape == idx.shape, lambda: f"bgmv_embedding_shrink: ids {tuple(ids.shape)} vs idx {tuple(idx.shape)}")
+    num_slots, rank, vocab = w.shape
+    # One gather of T rows from a [N*V, R] table: row slot*V + id.  Static shapes.
+    table = w.permute(0, 2, 1).reshape(num_slots * vocab, rank)
+    flat = idx.clamp(min=0).long() * vocab + ids.long()
+    rows = table.index_select(0, flat)
+    return torch.where((idx >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+@bgmv_embedding_shrink.register_fake
+def _bgmv_embedding_shrink_fake(ids, w, idx):
+    return w.new_empty((ids.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("xla_lora::bgmv_bias", mutates_args=())
+def bgmv_bias(y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``y + bias[idx]`` per token (bias ``[N, O]`` already scaled); -1 rows unchanged."""
+    torch._check(y.shape[0] == idx.shape[0], lambda: f"bgmv_bias: {y.shape[0]} rows but {idx.shape[0]} indices")
+    # One-hot [T, N] @ [N, O]: a matmul instead of a per-token gather; -1 is an all-zero row.
+    onehot = _slot_mask(idx, bias.shape[0]).to(bias.dtype)
+    return y + (onehot @ bias).to(y.dtype)
+
+
+@bgmv_bias.register_fake
+def _bgmv_bias_fake(y, bias, idx):
     return torch.empty_like(y)

@@ -1,0 +1,87 @@
+"""Pattern 3: sites that share one input (q/k/v, gate/up) share ONE shrink.
+
+After patterns 1 and 5, each site has its own ``bgmv_shrink(x2d, A_site,
+idx)``.  Shrinks whose activation and indices are the same tensor become one
+shrink over the sites' A stacks concatenated along the rank dim (the
+merged-column form vLLM uses); each site's expand then reads its own
+columns of the result.  Exact: the shrink is column-wise independent.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Dict, List, Tuple
+
+import torch
+import torch.fx as fx
+
+from . import fx_utils
+from .annotations import LORA_INPUT, STACKED_A, GraphInputRequest
+from .report import RewriteContext
+
+PATTERN_NAME = "fuse_shared_shrink"
+GROUP_SEPARATOR = "+"  # a fused A input's site is its members' names joined by this
+
+
+def _same_value_key(node: fx.Node) -> Tuple:
+    """Structural key: two nodes with equal keys compute the same value (reshapes/narrows of one source)."""
+    if node.op == "call_method" and node.target in ("reshape", "narrow", "size"):
+        return (node.target, _same_value_key(node.args[0]) if isinstance(node.args[0], fx.Node) else node.args[0],
+                tuple(_same_value_key(a) if isinstance(a, fx.Node) else a for a in node.args[1:]))
+    return ("node", node)
+
+
+def _shrink_groups(graph: fx.Graph) -> List[List[fx.Node]]:
+    groups: Dict[Tuple, List[fx.Node]] = collections.defaultdict(list)
+    for node in graph.find_nodes(op="call_function", target=torch.ops.xla_lora.bgmv_shrink.default):
+        x2d, w, idx, scale = node.args
+        request = w.meta.get(LORA_INPUT)
+        if request is None or request.kind != STACKED_A:
+            continue
+        groups[(_same_value_key(x2d), _same_value_key(idx), scale, request.dtype)].append(node)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def fuse_shared_shrinks(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
+    """Replace each group of shrinks over one input by one shrink and per-site column slices."""
+    graph = gm.graph
+    fused_any = False
+    for group in _shrink_groups(graph):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        group.sort(key=order.get)
+        first = group[0]
+        requests = [n.args[1].meta[LORA_INPUT] for n in group]
+        ranks = [r.shape[1] for r in requests]
+        fused_request = GraphInputRequest(
+            STACKED_A, GROUP_SEPARATOR.join(r.site for r in requests),
+            (requests[0].shape[0], sum(ranks), requests[0].shape[2]), requests[0].dtype)
+        device = fx_utils.example_value(first).device
+        fused_w = fx_utils.get_or_add_input(graph, f"lora_a_fused_{ctx.report.shrinks_fused}", fused_request,
+                                            device)
+        x2d, _, idx, scale = first.args
+        with graph.inserting_before(first):
+            fused = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink.default,
+                                  x2d, fused_w, idx, scale)
+        offset = 0
+        for node, rank in zip(group, ranks):
+            with graph.inserting_after(fused):
+                part = fx_utils.call(graph, "call_method", "narrow", fused, 1, offset, rank)
+            node.replace_all_uses_with(part)
+            old_x2d, old_w, old_idx = node.args[:3]
+            graph.erase_node(node)
+            if not old_w.users:
+                graph.erase_node(old_w)  # the per-site A input is no longer fed
+            if node is not first:
+                fx_utils.erase_dead(_producers(old_x2d) + _producers(old_idx))
+            offset += rank
+        ctx.report.shrinks_fused += len(group) - 1
+        fused_any = True
+    return fused_any
+
+
+def _producers(node) -> List[fx.Node]:
+    """``node`` and the reshape/size/narrow chain that made it (the candidates to erase once unused)."""
+    out = []
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("reshape", "narrow", "size"):
+        out.append(node)
+        node = next((a for a in node.args[1:] if isinstance(a, fx.Node)), None)
+    return out

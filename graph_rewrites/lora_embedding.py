@@ -1,0 +1,100 @@
+"""Pattern 2: embedding LoRA (PEFT ``lora.Embedding``).
+
+    y = emb(ids) + (embedding(ids, A.T) @ B.T) * s
+
+becomes
+
+    t = bgmv_embedding_shrink(ids1d, stacked_A, idx)   (column ids[t] of slot idx[t]'s A)
+    y = bgmv_expand(t, stacked_B, emb(ids)2d, idx)
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from . import fx_utils
+from .annotations import LORA_WEIGHT, STACKED_A, STACKED_B, LoRAWeightRef
+from .lora_linear import COMBINE_FORMS, LinearMatch, apply_matches, find_matches, weights_reason
+from .report import RewriteContext
+from .site_inputs import device_of, site_indices, stacked_input
+
+PATTERN_NAME = "lora_embedding"
+
+
+def _make_pattern(combine_fn):
+    def lora_embedding_pattern(x, base, lora_a, lora_b, scale):
+        return combine_fn(base, F.embedding(x, lora_a.T) @ lora_b.T, scale)
+
+    return lora_embedding_pattern
+
+
+def lora_embedding_patterns() -> List[fx.Graph]:
+    """Traced forms; F.embedding is kept as one call, as Dynamo records it."""
+    graphs = []
+    for combine_fn in COMBINE_FORMS:
+        tracer = fx.Tracer(autowrap_functions=(F.embedding,))
+        graphs.append(tracer.trace(_make_pattern(combine_fn)))
+    return graphs
+
+
+_FORWARD_NEUTRAL = {"padding_idx", "norm_type", "scale_grad_by_freq", "sparse"}
+
+
+def canonicalize_lora_embeddings(gm: fx.GraphModule) -> int:
+    """``embedding(ids, A.T, padding_idx=.., ...)`` -> ``embedding(ids, A.T)`` for LoRA A weights.
+
+    Those arguments change only gradients, so the forward value is the same;
+    ``max_norm`` (which renormalises rows) is kept, and makes a near miss.
+    """
+    changed = 0
+    for node in gm.graph.find_nodes(op="call_function", target=F.embedding):
+        weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        if not (isinstance(weight, fx.Node) and weight.target is getattr and weight.args[1] == "T"
+                and LORA_WEIGHT in getattr(weight.args[0], "meta", {})):
+            continue
+        extra = dict(zip(("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"), node.args[2:]))
+        extra.update(node.kwargs)
+        if extra.get("max_norm") is not None or not set(extra) <= _FORWARD_NEUTRAL | {"max_norm"}:
+            continue
+        node.args, node.kwargs = node.args[:2], {}
+        changed += 1
+    return changed
+
+
+def near_miss_reason(m: LinearMatch) -> Optional[str]:
+    """None if the match may be rewritten, else why not."""
+    return weights_reason(m, kind="embedding")
+
+
+def lora_embedding_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext):
+    """Insert the embedding shrink and expand before ``m.output``."""
+    ref: LoRAWeightRef = m.weight
+    device = device_of(m.base)
+    with graph.inserting_before(m.output):
+        ids = fx_utils.call(graph, "call_method", "reshape", m.x, -1)
+        idx, reason = site_indices(graph, ctx, m.x, ids, 0, device)
+        if idx is None:
+            graph.erase_node(ids)
+            return None, reason
+        stacked_a = stacked_input(graph, ref, STACKED_A, (ref.num_slots, ref.stacked_rank, ref.in_features), device)
+        stacked_b = stacked_input(graph, ref, STACKED_B, (ref.num_slots, ref.out_features, ref.stacked_rank), device)
+        base2d = fx_utils.call(graph, "call_method", "reshape", m.base, -1, ref.out_features)
+        out_dtype = fx_utils.example_value(m.output).dtype
+        if fx_utils.example_value(m.base).dtype != out_dtype:
+            base2d = fx_utils.call(graph, "call_method", "to", base2d, out_dtype)
+        shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_embedding_shrink.default,
+                               ids, stacked_a, idx)
+        expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand.default,
+                                 shrunk, stacked_b, base2d, idx, True)
+        out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
+    return out, None
+
+
+def rewrite_lora_embedding(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
+    """Rewrite every embedding LoRA site of ``gm`` in place."""
+    canonicalize_lora_embeddings(gm)
+    return apply_matches(gm, ctx, find_matches(gm, lora_embedding_patterns()), PATTERN_NAME, near_miss_reason,
+                         lora_embedding_replacement)

@@ -1,0 +1,139 @@
+"""What every pattern's replacement needs: the site's token indices and stacked weights.
+
+The token layout is the leading dims shared by most LoRA sites of the graph
+(``[B, S]`` for HF models, ``[T]`` for flattened tokens); the mapping is
+row-major over it.  A site whose input is a row selection of a tensor with
+that layout (``hidden[:, -k:, :]`` before ``lm_head``) gets the same
+selection applied to the index grid.
+"""
+from __future__ import annotations
+
+import collections
+import operator
+from typing import Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from . import fx_utils
+from .annotations import LORA_WEIGHT, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef
+from .report import RewriteContext
+
+
+def dims_key(dims) -> Tuple[str, ...]:
+    """A hashable key for a tuple of int/SymInt dims that adds no shape guards."""
+    return tuple(str(d.node.expr) if isinstance(d, torch.SymInt) else str(int(d)) for d in dims)
+
+
+def _shape(node) -> Optional[Tuple]:
+    value = fx_utils.example_value(node)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _token_dims_of_use(user: fx.Node) -> Optional[Tuple]:
+    """Leading (token) dims of the activation a LoRA A weight is applied to."""
+    if user.op == "call_function" and user.target is torch._C._nn.linear and user.args:
+        shape = _shape(user.args[0])
+        return shape[:-1] if shape else None
+    if user.op == "call_function" and user.target is operator.matmul:
+        shape = _shape(user.args[0])
+        return shape[:-1] if shape else None
+    if user.op == "call_function" and user.target is torch.nn.functional.embedding:
+        return _shape(user.args[0])
+    if user.target in ("t", "T") or (user.op == "call_function" and user.target is getattr):
+        for inner in user.users:
+            dims = _token_dims_of_use(inner)
+            if dims is not None:
+                return dims
+    return None
+
+
+def find_token_layout(gm: fx.GraphModule) -> Optional[Tuple]:
+    """The leading dims most LoRA sites apply to, or None when the graph has no LoRA weight."""
+    seen = collections.Counter()
+    first = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        ref = node.meta.get(LORA_WEIGHT)
+        if ref is None or ref.role != "A":
+            continue
+        for user in node.users:
+            dims = _token_dims_of_use(user)
+            if dims is not None:
+                seen[dims_key(dims)] += 1
+                first.setdefault(dims_key(dims), dims)
+    if not seen:
+        return None
+    best = max(seen.values())
+    return next(first[k] for k in first if seen[k] == best)  # ties: first in graph order
+
+
+def _shared_indices(graph: fx.Graph, ctx: RewriteContext, device) -> fx.Node:
+    return fx_utils.get_or_add_input(
+        graph, "lora_token_indices", GraphInputRequest(TOKEN_INDICES, None, (ctx.max_num_tokens,)), device)
+
+
+def site_indices(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
+                 device) -> Tuple[Optional[fx.Node], Optional[str]]:
+    """The int32 ``[T_site]`` indices for a site whose activation is ``tokens``.
+
+    ``tokens`` has the token dims then ``n_feature_dims`` feature dims;
+    ``flat`` is it with the token dims flattened into one.  Returns (node,
+    None), or (None, reason) when the site's tokens cannot be tied to the
+    mapping.  Insert point: the caller's.
+    """
+    shape = _shape(tokens)
+    layout = ctx.token_layout
+    if shape is None or layout is None:
+        return None, "no fake shapes on the graph to tie the site's tokens to the mapping"
+    lead = shape[: len(shape) - n_feature_dims]
+    idx = _shared_indices(graph, ctx, device)
+    if dims_key(lead) == dims_key(layout):
+        count = fx_utils.call(graph, "call_method", "size", flat, 0)
+        return fx_utils.call(graph, "call_method", "narrow", idx, 0, 0, count), None
+    selection = _row_selection(tokens, layout, n_feature_dims)
+    if selection is None:
+        return None, (f"its token dims {list(dims_key(lead))} are neither the graph's token layout "
+                      f"{list(dims_key(layout))} nor a row selection of it")
+    source, index = selection
+    sizes = [fx_utils.call(graph, "call_method", "size", source, d) for d in range(len(layout))]
+    total = sizes[0]
+    for s in sizes[1:]:
+        total = fx_utils.call(graph, "call_function", operator.mul, total, s)
+    grid = fx_utils.call(graph, "call_method", "view",
+                         fx_utils.call(graph, "call_method", "narrow", idx, 0, 0, total), *sizes)
+    picked = fx_utils.call(graph, "call_function", operator.getitem, grid, index)
+    return fx_utils.call(graph, "call_method", "reshape", picked, -1), None
+
+
+def _row_selection(tokens: fx.Node, layout, n_feature_dims: int):
+    """(source, index over the token dims) if ``tokens`` is ``source[index..., :]`` with source on the layout."""
+    if tokens.op != "call_function" or tokens.target is not operator.getitem:
+        return None
+    source, index = tokens.args
+    source_shape = _shape(source)
+    if source_shape is None or dims_key(source_shape[: len(layout)]) != dims_key(layout):
+        return None
+    if len(source_shape) != len(layout) + n_feature_dims or not isinstance(index, tuple):
+        return None
+    if len(index) != len(source_shape):
+        return None
+    token_part, feature_part = index[: len(layout)], index[len(layout):]
+    if any(p != slice(None, None, None) for p in feature_part):
+        return None
+    if not all(isinstance(p, (int, slice)) for p in token_part):
+        return None
+    if any(isinstance(p, slice) and not all(v is None or isinstance(v, int) for v in (p.start, p.stop, p.step))
+           for p in token_part):
+        return None
+    return source, token_part
+
+
+def stacked_input(graph: fx.Graph, ref: LoRAWeightRef, kind: str, shape, device) -> fx.Node:
+    """The placeholder for one of a site's stacked tensors (A, B or bias), shared across its uses."""
+    name = f"lora_{kind.replace('stacked_', '')}_{ref.site.replace('.', '_')}"
+    return fx_utils.get_or_add_input(graph, name, GraphInputRequest(kind, ref.site, tuple(shape), ref.dtype), device)
+
+
+def device_of(node: fx.Node):
+    value = fx_utils.example_value(node)
+    return value.device if isinstance(value, torch.Tensor) else None
