@@ -106,9 +106,10 @@ def dump_model(model, args: Sequence, kwargs: Dict, meta: LoRAMetadata) -> List[
 
 def _uniform_mapping(meta: LoRAMetadata, report: RewriteReport) -> None:
     """Every token on the adapter the graph has active: a mapping every graph accepts, near misses included."""
-    if not report.sites or report.sites[0].x_shape is None:
+    layout = report.token_layout or (report.sites[0].x_shape[:-1] if report.sites else None)
+    if not report.sites or layout is None:
         return
-    tokens = math.prod(int(d) for d in report.sites[0].x_shape[:-1])
+    tokens = math.prod(int(d) for d in layout)
     meta.set_token_adapters([report.sites[0].adapter] * tokens)
 
 
