@@ -1,0 +1,125 @@
+"""Blocked BGMV: tokens sorted by slot into fixed-size row blocks (DESIGN.md, kernel table).
+
+A standalone form of ``bgmv_shrink`` / ``bgmv_expand`` (same semantics as
+:mod:`xla_lora_pass.ops`), not wired into the graph pass or the metadata.
+
+The layout is built ONCE per step on the host from the int32 token indices
+and shared by every LoRA layer of the step:
+
+* ``row_token`` ``[NB * BS]`` int32: the token each padded row holds, -1 for
+  padding rows;
+* ``block_slot`` ``[NB]`` int32: the slot (adapter) of each block; unused
+  blocks say 0 and hold only padding rows;
+* ``token_row`` ``[T]`` int32: the padded row of each token; tokens with
+  index -1 point at a padding row (whose value is zero).
+
+``NB = ceil(T / BS) + N`` blocks is a static bound (each slot wastes less than
+one block), so every shape depends only on the bucket (T), the slot count (N)
+and the block size (BS): one XLA program per bucket, whatever the mapping.
+The last block is always unused: the slots' blocks fill at most
+``floor((T + N * (BS - 1)) / BS) < NB`` of them.
+
+On the device, per layer, each block multiplies its ``BS`` rows by ONE
+slot's weights (a ``[NB, ...]`` weight gather and a batched matmul), so the
+LoRA FLOPs are ``NB * BS * R * (D + O)``, against ``T * N * R * (D + O)`` for
+the masked form in ``ops.py``: 1/N of the work, plus two row gathers.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["BLOCK_SIZE", "BlockedLayout", "num_blocks", "build_layout", "blocked_shrink", "blocked_expand"]
+
+BLOCK_SIZE = 32
+
+
+class BlockedLayout(NamedTuple):
+    row_token: torch.Tensor  # [NB * BS] int32, -1 = padding row
+    block_slot: torch.Tensor  # [NB] int32
+    token_row: torch.Tensor  # [T] int32
+
+    def to(self, device) -> "BlockedLayout":
+        return BlockedLayout(*(t.to(device) for t in self))
+
+
+def num_blocks(num_tokens: int, num_slots: int, block_size: int = BLOCK_SIZE) -> int:
+    """Static block count for a bucket: ``ceil(T / BS) + N``."""
+    return -(-num_tokens // block_size) + num_slots
+
+
+def build_layout(idx: torch.Tensor, num_slots: int, block_size: int = BLOCK_SIZE) -> BlockedLayout:
+    """The three index tensors for one step, on the host (CPU), from int32 token indices ``[T]``.
+
+    ``idx[t]`` is token t's slot in ``[0, num_slots)`` or -1 (base model only).
+    """
+    idx = torch.as_tensor(idx).to("cpu", torch.int64).reshape(-1)
+    num_tokens = idx.numel()
+    if num_tokens and (int(idx.min()) < -1 or int(idx.max()) >= num_slots):
+        raise ValueError(f"build_layout: token indices must be in [-1, {num_slots}), got "
+                         f"[{int(idx.min())}, {int(idx.max())}]")
+    nb = num_blocks(num_tokens, num_slots, block_size)
+    rows = nb * block_size
+    row_token = torch.full((rows,), -1, dtype=torch.int64)
+    block_slot = torch.zeros(nb, dtype=torch.int64)
+    token_row = torch.full((num_tokens,), rows - 1, dtype=torch.int64)  # last row: always padding
+
+    valid = idx >= 0
+    order = torch.argsort(torch.where(valid, idx, num_slots), stable=True)  # tokens by slot, -1 last
+    counts = torch.bincount(idx[valid], minlength=num_slots)  # [N]
+    blocks_per_slot = (counts + block_size - 1) // block_size
+    first_block = torch.cumsum(blocks_per_slot, 0) - blocks_per_slot  # [N]
+    block_slot[: int(blocks_per_slot.sum())] = torch.repeat_interleave(torch.arange(num_slots), blocks_per_slot)
+    # Each sorted valid token's rank within its slot, then its padded row.
+    sorted_tokens = order[: int(counts.sum())]
+    sorted_slots = idx[sorted_tokens]
+    slot_start = torch.cumsum(counts, 0) - counts
+    rank_in_slot = torch.arange(sorted_tokens.numel()) - slot_start[sorted_slots]
+    padded = first_block[sorted_slots] * block_size + rank_in_slot
+    row_token[padded] = sorted_tokens
+    token_row[sorted_tokens] = padded
+    return BlockedLayout(row_token.to(torch.int32), block_slot.to(torch.int32), token_row.to(torch.int32))
+
+
+def _compute_dtype(w: torch.Tensor) -> torch.dtype:
+    return torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+
+
+def _to_blocks(x: torch.Tensor, layout: BlockedLayout) -> torch.Tensor:
+    """``[NB, BS, F]``: each padded row's token row of x, zero on padding rows."""
+    nb = layout.block_slot.shape[0]
+    rows = x.index_select(0, layout.row_token.clamp(min=0))
+    rows = torch.where((layout.row_token >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=x.dtype, device=x.device))
+    return rows.reshape(nb, -1, x.shape[1])
+
+
+def blocked_shrink(x: torch.Tensor, w: torch.Tensor, layout: BlockedLayout, scale: float = 1.0) -> torch.Tensor:
+    """``[T, R] = scale * x @ w[idx].T`` through the blocks; zero rows where idx == -1.
+
+    x ``[T, D]``, w ``[N, R, D]``.
+    """
+    dtype = _compute_dtype(w)
+    nb = layout.block_slot.shape[0]
+    xb = x.index_select(0, layout.row_token.clamp(min=0)).to(dtype).reshape(nb, -1, x.shape[1])  # [NB, BS, D]
+    wb = w.index_select(0, layout.block_slot).to(dtype)  # [NB, R, D]
+    out = torch.bmm(xb, wb.transpose(1, 2)).reshape(-1, w.shape[1])  # [NB*BS, R]
+    # Zero padding rows on the small [NB*BS, R] side (tokens with -1 read one of them).
+    out = torch.where((layout.row_token >= 0).unsqueeze(-1), out, torch.zeros((), dtype=dtype, device=x.device))
+    if scale != 1.0:
+        out = out * scale
+    return out.index_select(0, layout.token_row).to(x.dtype)
+
+
+def blocked_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, layout: BlockedLayout,
+                   add_inputs: bool = True) -> torch.Tensor:
+    """``y + x @ w[idx].T`` through the blocks (the delta alone when add_inputs is False).
+
+    x ``[T, R]``, w ``[N, O, R]``, y ``[T, O]``; rows with idx == -1 get nothing.
+    """
+    dtype = _compute_dtype(w)
+    xb = _to_blocks(x.to(dtype), layout)  # [NB, BS, R], zero on padding rows
+    wb = w.index_select(0, layout.block_slot).to(dtype)  # [NB, O, R]
+    delta = torch.bmm(xb, wb.transpose(1, 2)).reshape(-1, w.shape[1])  # [NB*BS, O]
+    delta = delta.index_select(0, layout.token_row).to(y.dtype)  # -1 tokens read a zero padding row
+    return y + delta if add_inputs else delta
