@@ -1,0 +1,120 @@
+"""Op-level: one LoRA linear with a mixed batch, each BGMV form against the base matmul.
+
+    python bench/kernels.py [--tokens 512] [--slots 16] [--rank 16] [--dim 512] [--reps 7]
+
+One 512x512 linear, 512 tokens spread over 16 adapters at random, r=16, fp32,
+every form compiled with plain ``openxla`` on the XLA CPU device:
+
+* base: ``x @ W.T`` (the floor);
+* masked: base + ``torch.ops.xla_lora.bgmv_shrink`` / ``bgmv_expand`` (ops.py, what the pass emits);
+* blocked: base + ``ops_blocked.blocked_shrink`` / ``blocked_expand`` with the layout already on the
+  device (the per-layer cost when one layout serves every layer of a step);
+* blocked + layout: the same, also building the layout on the host and copying it to the device
+  every call (the per-step cost, paid once per step however many layers there are).
+
+Each repetition runs every form in turn; the ratios are within one repetition.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common  # noqa: F401  (sets PJRT_DEVICE before torch_xla loads)
+import torch
+from _common import markdown_table
+from _timing import ratios, summary, time_interleaved
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20, help="calls per form per repetition")
+    args = parser.parse_args(argv)
+
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
+    from xla_lora_pass.ops_blocked import build_layout
+
+    from xla_lora_pass import ops_blocked
+
+    dev = torch_xla.device()
+    g = torch.Generator().manual_seed(0)
+    t, n, r, d = args.tokens, args.slots, args.rank, args.dim
+    x = torch.randn(t, d, generator=g).to(dev)
+    w = (torch.randn(d, d, generator=g) / d ** 0.5).to(dev)
+    a = (torch.randn(n, r, d, generator=g) / d ** 0.5).to(dev)
+    b = (torch.randn(n, d, r, generator=g) / r ** 0.5).to(dev)
+    idx_host = torch.randint(0, n, (t,), generator=g, dtype=torch.int32)
+    idx = idx_host.to(dev)
+    layout = build_layout(idx_host, n).to(dev)
+
+    def base(x, w):
+        return x @ w.t()
+
+    def masked(x, w, a, b, idx):
+        y = x @ w.t()
+        s = torch.ops.xla_lora.bgmv_shrink(x, a, idx, 1.0)
+        return torch.ops.xla_lora.bgmv_expand(s, b, y, idx, True)
+
+    def blocked(x, w, a, b, row_token, block_slot, token_row):
+        lay = ops_blocked.BlockedLayout(row_token, block_slot, token_row)
+        y = x @ w.t()
+        return ops_blocked.blocked_expand(ops_blocked.blocked_shrink(x, a, lay), b, y, lay)
+
+    c_base = torch.compile(base, backend="openxla")
+    c_masked = torch.compile(masked, backend="openxla")
+    c_blocked = torch.compile(blocked, backend="openxla")
+
+    # Correctness first: both forms agree with each other.
+    with torch.no_grad():
+        ref = c_masked(x, w, a, b, idx).cpu()
+        got = c_blocked(x, w, a, b, *layout).cpu()
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
+
+    def run(fn, *inputs):
+        def call():
+            with torch.no_grad():
+                fn(*inputs)
+            xm.wait_device_ops()
+        return call
+
+    def blocked_with_layout():
+        lay = build_layout(idx_host, n).to(dev)
+        with torch.no_grad():
+            c_blocked(x, w, a, b, *lay)
+        xm.wait_device_ops()
+
+    fns = {
+        "base matmul": run(c_base, x, w),
+        "masked (ops.py)": run(c_masked, x, w, a, b, idx),
+        "blocked, layout on device": run(c_blocked, x, w, a, b, *layout),
+        "blocked + host layout each call": blocked_with_layout,
+    }
+    for fn in fns.values():  # warm up: compile and settle
+        for _ in range(3):
+            fn()
+    times = time_interleaved(fns, args.reps, args.steps)
+    rat = ratios(times, "base matmul")
+
+    start = time.perf_counter()
+    for _ in range(50):
+        build_layout(idx_host, n)
+    host_ms = (time.perf_counter() - start) / 50 * 1e3
+
+    print(f"One {d}x{d} linear, {t} tokens over {n} adapters (random), r={r}, fp32, openxla on the XLA CPU "
+          f"device; {args.reps} repetitions x {args.steps} calls, ratio to the base matmul within each "
+          f"repetition, median [min-max].\n")
+    rows = [[name, f"{sorted(ts)[len(ts) // 2] * 1e3:.3f}", summary(rat[name])] for name, ts in times.items()]
+    print(markdown_table(["form", "ms / call (median)", "time / base"], rows))
+    print(f"\nbuild_layout on the host alone: {host_ms:.3f} ms per step ({t} tokens, {n} slots).")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
