@@ -74,6 +74,7 @@ class LoRAMetadata:
         self._lock = threading.Lock()
         self._hook_handles: list = []
         self._warming = False
+        self._sharding = None  # sharding.AdapterSharding after shard(mesh)
         self._stats = {
             "compiles": 0,
             "rewrites": {},
@@ -131,6 +132,8 @@ class LoRAMetadata:
             self._host_bias = {s.name: self._stack_bias(s, slots) for s in sites
                                if any(w.bias is not None for w in s.adapters.values())}
             self._device_stacks.clear()
+            if self._sharding is not None:
+                self._sharding.forget()
             # Slot numbers may now mean other adapters: an old mapping would pick the wrong ones.
             self._mapping = None
             self._index_cache.clear()
@@ -323,6 +326,8 @@ class LoRAMetadata:
                 else:
                     fused = torch.cat([self._host_stacks[n][0] for n in names], dim=1)
                     self._device_stacks[key] = (fused.to(device), None)
+                if self._sharding is not None and torch.device(device).type == "xla":
+                    self._sharding.place_stacks(site_name, *self._device_stacks[key])
             return self._device_stacks[key]
 
     def stacked_bias(self, site_name: str, device) -> torch.Tensor:
@@ -331,7 +336,33 @@ class LoRAMetadata:
         with self._lock:
             if key not in self._device_stacks:
                 self._device_stacks[key] = (self._host_bias[site_name].to(device), None)
+                if self._sharding is not None and torch.device(device).type == "xla":
+                    self._sharding.place_bias(site_name, self._device_stacks[key][0])
             return self._device_stacks[key][0]
+
+    def shard(self, mesh, layout=None, *, axis: Optional[str] = None):
+        """Shard the stacked adapter buffers over a torch_xla SPMD ``mesh`` like their base weights.
+
+        Per site: ``column`` (base weight split on out: B split on out, A
+        replicated), ``row`` (split on in: A split on in, B replicated) or
+        ``replicated``, from ``layout`` (``{leaf module name or site: layout}``,
+        e.g. ``sharding.MEGATRON_LLAMA``, or a callable) or else read off the
+        base weight's sharding spec.  Index buffers stay replicated.  Returns
+        the ``sharding.AdapterSharding``; ``shard(None)`` turns it off.
+        docs/scale-out.md.
+        """
+        from .sharding import AdapterSharding
+
+        sharding = None if mesh is None else AdapterSharding(self, mesh, layout, axis)
+        with self._lock:
+            self._sharding = sharding
+            self._device_stacks.clear()  # the next call transfers annotated copies
+        return sharding
+
+    @property
+    def sharding(self):
+        """The ``AdapterSharding`` set by ``shard(mesh)``, or None."""
+        return self._sharding
 
     # --------------------------------------------------------------- mapping
     def set_token_adapters(self, mapping: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
