@@ -257,6 +257,24 @@ def test_model_without_lora_layers_warns_and_still_runs(xla_device):
     assert meta.stats["compiles"] == 1 and meta.stats["rewrites"] == {} and meta.stats["fallbacks"] == 0
 
 
+def test_register_refuses_non_finite_adapter_weights_and_drops_a_stale_mapping():
+    """CPU: register_adapters checks the model's own weights, and a new registration forgets old slot numbers."""
+    from .models import peft_two_layer
+
+    meta = xlp.LoRAMetadata(max_num_tokens=MAX_TOKENS)
+    model = peft_two_layer()
+    meta.register_adapters(model)
+    meta.set_token_adapters(["chat", "sql"])
+    with torch.no_grad():
+        model.base_model.model.proj.lora_B["chat"].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"register_adapters: base_model.model.proj adapter 'chat': "
+                                         r"lora_B \* scaling \(1.0\) has 1 NaN or inf value"):
+        meta.register_adapters(model)
+    assert meta.slots == ["sql", "chat"] and meta.mapping().tolist() == [1, 0]  # the refused call changed nothing
+    meta.register_adapters(peft_two_layer(adapters=(("chat", 2, 4), ("sql", 4, 4))))
+    assert meta.slots == ["chat", "sql"] and meta.mapping() is None  # [1, 0] would now mean the other adapters
+
+
 # ------------------------------------------------------------ rewrite fallback
 INJECTED = "injected: a graph the pattern did not expect"
 
@@ -406,14 +424,16 @@ def _table() -> str:
     """The bad-input table of the final report, from the same cases and the same checks."""
     import torch_xla
 
-    rows = ["| bad input | error (type: message) | seconds | next good request | new XLA / backend compiles |",
-            "|---|---|---|---|---|"]
+    rows = ["| bad input | error (type: message) | s to refuse | next good request | new XLA / backend "
+            "compiles | fallbacks |", "|---|---|---|---|---|---|"]
     s = make_served(torch_xla.device())
     for bad in BAD_INPUTS:
+        fallbacks = s.meta.stats["fallbacks"]
         err, seconds, new_xla, new_compiles, good_error = try_bad_input(s, bad)
         msg = str(err).replace("|", "\\|").replace("\n", " ")
         rows.append(f"| {bad.label} | {type(err).__name__}: {msg} | {seconds:.3f} | "
-                    f"{'ok' if good_error < 1e-4 else 'WRONG'} (max abs err {good_error:.1e}) | {new_xla} / {new_compiles} |")
+                    f"{'ok' if good_error < 1e-4 else 'WRONG'} (max abs err {good_error:.1e}) | "
+                    f"{new_xla} / {new_compiles} | +{s.meta.stats['fallbacks'] - fallbacks} |")
     return "\n".join(rows)
 
 

@@ -245,7 +245,7 @@ class LoRAMetadata:
         for site_name, (lora_a, lora_b) in per_site.items():
             site = self._sites[site_name]
             stack_a, _ = self._host_stacks[site_name]
-            self._check_loaded(site, stack_a, lora_a, lora_b)
+            self._check_loaded(name, site, stack_a, lora_a, lora_b)
             loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, lora_a.shape[0], scaling, config))
             weights[site_name] = _host_slot_weights(f"load_adapter({name!r}): {site_name}", loaded, stack_a.dtype)
         with self._lock:
@@ -272,24 +272,27 @@ class LoRAMetadata:
         return slot
 
     @staticmethod
-    def _check_loaded(site: SiteSpec, stack_a: torch.Tensor, lora_a, lora_b) -> None:
+    def _check_loaded(name: str, site: SiteSpec, stack_a: torch.Tensor, lora_a, lora_b) -> None:
         max_rank = stack_a.shape[1]
+        where = f"load_adapter({name!r}): {site.name}"
         for what, t in (("lora_A", lora_a), ("lora_B", lora_b)):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise TypeError(f"{site.name}.{what}: expected a floating-point tensor, got {t!r:.80}")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {t.dtype} {list(t.shape)}")
             if t.layout != torch.strided:
-                raise TypeError(f"{site.name}.{what}: expected a dense tensor, got layout {t.layout}")
+                raise TypeError(f"{where}.{what}: expected a dense tensor, got layout {t.layout}")
             if t.device.type == "meta":
-                raise ValueError(f"{site.name}.{what}: a meta tensor holds no data; give the weights on any "
+                raise ValueError(f"{where}.{what}: a meta tensor holds no data; give the weights on any "
                                  "real device (they are copied to the host)")
         r = lora_a.shape[0] if lora_a.dim() == 2 else -1
         if lora_a.dim() != 2 or lora_a.shape[1] != site.in_features or not 1 <= r <= max_rank:
             raise ValueError(
-                f"{site.name}.lora_A: expected [r, {site.in_features}] with 1 <= r <= {max_rank} "
+                f"{where}.lora_A: expected [r, {site.in_features}] with 1 <= r <= {max_rank} "
                 f"(the site's stacked rank), got {list(lora_a.shape)}"
             )
         if list(lora_b.shape) != [site.out_features, r]:
-            raise ValueError(f"{site.name}.lora_B: expected {[site.out_features, r]}, got {list(lora_b.shape)}")
+            raise ValueError(f"{where}.lora_B: expected {[site.out_features, r]}, got {list(lora_b.shape)}")
 
     # -------------------------------------------------------- graph lookups
     def refresh_param_index(self) -> None:
