@@ -235,6 +235,8 @@ def shard_bytes(tensor: torch.Tensor) -> Tuple[int, int]:
     """(bytes of the largest local shard of ``tensor``, bytes of the whole tensor), from the device buffers."""
     import torch_xla
 
+    whole = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "xla" or not torch_xla._XLAC._get_xla_sharding_spec(tensor):
+        return whole, whole  # not annotated: replicated under SPMD, or a single device
     shards = torch_xla._XLAC._get_local_shards([tensor])[0]
-    per_device = max(s.numel() * s.element_size() for s, _ in shards)
-    return per_device, tensor.numel() * tensor.element_size()
+    return max(s.numel() * s.element_size() for s, _ in shards), whole
