@@ -234,6 +234,18 @@ def test_load_adapter_copies_weights_from_any_device_and_refuses_a_full_house(se
     assert (xla_compiles() - xla_before, s.meta.stats["compiles"] - compiles_before) == (0, 0)
 
 
+@pytest.mark.xfail(strict=True, reason="bucketing.py: slice_outputs narrows the padded XLA outputs lazily, so the "
+                   "first call of every new real token count inside an already compiled bucket compiles one more "
+                   "(slicing) XLA program; stats['compiles'] does not count it")
+def test_a_new_token_count_in_a_compiled_bucket_compiles_nothing(served):
+    s = served  # bucket 8 is compiled and sequence lengths 4 and 6 are warm; 7 is new
+    s.meta.set_token_adapters(per_sequence_mapping(GOOD_ROWS, 7))
+    xla_before, compiles_before = xla_compiles(), s.meta.stats["compiles"]
+    s.run(7)
+    assert s.meta.stats["compiles"] == compiles_before
+    assert xla_compiles() == xla_before
+
+
 def test_model_without_lora_layers_warns_and_still_runs(xla_device):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
