@@ -32,19 +32,17 @@ def _make_pattern(combine_fn):
 
 
 def lora_embedding_patterns() -> List[fx.Graph]:
-    """Traced forms; F.embedding is kept as one call, as Dynamo records it."""
-    graphs = []
-    for combine_fn in COMBINE_FORMS:
-        tracer = fx.Tracer(autowrap_functions=(F.embedding,))
-        graphs.append(tracer.trace(_make_pattern(combine_fn)))
-    return graphs
+    """Traced forms (F.embedding stays one call with its default kwargs, as Dynamo records it)."""
+    return [fx.symbolic_trace(_make_pattern(c)).graph for c in COMBINE_FORMS]
 
 
 _FORWARD_NEUTRAL = {"padding_idx", "norm_type", "scale_grad_by_freq", "sparse"}
+# F.embedding's defaults, as the traced pattern records them.
+_DEFAULTS = {"padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False, "sparse": False}
 
 
 def canonicalize_lora_embeddings(gm: fx.GraphModule) -> int:
-    """``embedding(ids, A.T, padding_idx=.., ...)`` -> ``embedding(ids, A.T)`` for LoRA A weights.
+    """``embedding(ids, A.T, padding_idx=p, ...)`` -> the same call with F.embedding's defaults, for LoRA A.
 
     Those arguments change only gradients, so the forward value is the same;
     ``max_norm`` (which renormalises rows) is kept, and makes a near miss.
@@ -59,7 +57,7 @@ def canonicalize_lora_embeddings(gm: fx.GraphModule) -> int:
         extra.update(node.kwargs)
         if extra.get("max_norm") is not None or not set(extra) <= _FORWARD_NEUTRAL | {"max_norm"}:
             continue
-        node.args, node.kwargs = node.args[:2], {}
+        node.args, node.kwargs = node.args[:2], dict(_DEFAULTS)
         changed += 1
     return changed
 

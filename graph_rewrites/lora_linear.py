@@ -41,6 +41,10 @@ def _delta_matmul(x, lora_a, lora_b):
     return (x @ lora_a.t()) @ lora_b.t()
 
 
+def _delta_torch_matmul(x, lora_a, lora_b):
+    return torch.matmul(torch.matmul(x, lora_a.t()), lora_b.t())
+
+
 # The scale is a pattern input: a placeholder matches the literal Dynamo baked
 # in, and near_miss_reason checks its value.
 def _combine_delta_scale(base, delta, scale):
@@ -55,7 +59,12 @@ def _combine_delta_first(base, delta, scale):
     return delta * scale + base
 
 
-COMBINE_FORMS = (_combine_delta_scale, _combine_scale_delta, _combine_delta_first)
+def _combine_scale_first(base, delta, scale):
+    return scale * delta + base
+
+
+COMBINE_FORMS = (_combine_delta_scale, _combine_scale_delta, _combine_delta_first, _combine_scale_first)
+DELTA_FORMS = (_delta_linear, _delta_matmul, _delta_torch_matmul)
 
 
 def _make_pattern(delta_fn: Callable, combine_fn: Callable) -> Callable:
@@ -68,7 +77,7 @@ def _make_pattern(delta_fn: Callable, combine_fn: Callable) -> Callable:
 def lora_linear_patterns() -> List[fx.Graph]:
     """Every traced form of the pattern: the delta's matmul form x where the scale stands."""
     return [fx.symbolic_trace(_make_pattern(d, c)).graph
-            for d, c in itertools.product((_delta_linear, _delta_matmul), COMBINE_FORMS)]
+            for d, c in itertools.product(DELTA_FORMS, COMBINE_FORMS)]
 
 
 @dataclasses.dataclass

@@ -30,14 +30,20 @@ def _shape(node) -> Optional[Tuple]:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
+def _activation_dims(x) -> Optional[Tuple]:
+    """Leading dims of a linear's activation; of its source when it is a row selection ``h[:, -1:, :]``."""
+    if isinstance(x, fx.Node) and x.op == "call_function" and x.target is operator.getitem:
+        source_shape, shape = _shape(x.args[0]), _shape(x)
+        if source_shape and shape and len(source_shape) == len(shape):
+            return source_shape[:-1]
+    shape = _shape(x)
+    return shape[:-1] if shape else None
+
+
 def _token_dims_of_use(user: fx.Node) -> Optional[Tuple]:
     """Leading (token) dims of the activation a LoRA A weight is applied to."""
-    if user.op == "call_function" and user.target is torch._C._nn.linear and user.args:
-        shape = _shape(user.args[0])
-        return shape[:-1] if shape else None
-    if user.op == "call_function" and user.target is operator.matmul:
-        shape = _shape(user.args[0])
-        return shape[:-1] if shape else None
+    if user.op == "call_function" and user.target in (torch._C._nn.linear, operator.matmul, torch.matmul) and user.args:
+        return _activation_dims(user.args[0])
     if user.op == "call_function" and user.target is torch.nn.functional.embedding:
         return _shape(user.args[0])
     if user.target in ("t", "T") or (user.op == "call_function" and user.target is getattr):
@@ -48,15 +54,30 @@ def _token_dims_of_use(user: fx.Node) -> Optional[Tuple]:
     return None
 
 
+def _depends_on_inputs(node: fx.Node, memo: dict) -> bool:
+    """Whether ``node`` is computed from a graph input (DoRA applies A to a constant ``eye``)."""
+    if node in memo:
+        return memo[node]
+    memo[node] = False  # cycles cannot happen; this only stops re-walking shared ancestors
+    memo[node] = node.op == "placeholder" or any(_depends_on_inputs(a, memo) for a in node.all_input_nodes)
+    return memo[node]
+
+
 def find_token_layout(gm: fx.GraphModule) -> Optional[Tuple]:
     """The leading dims most LoRA sites apply to, or None when the graph has no LoRA weight."""
     seen = collections.Counter()
     first = {}
+    memo: dict = {}
     for node in gm.graph.find_nodes(op="placeholder"):
         ref = node.meta.get(LORA_WEIGHT)
         if ref is None or ref.role != "A":
             continue
         for user in node.users:
+            activation = next((a for a in user.all_input_nodes if a is not node), None)
+            if user.target in ("t", "T") or user.target is getattr:
+                activation = next((a for u in user.users for a in u.all_input_nodes if a is not user), None)
+            if activation is None or not _depends_on_inputs(activation, memo):
+                continue
             dims = _token_dims_of_use(user)
             if dims is not None:
                 seen[dims_key(dims)] += 1

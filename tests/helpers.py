@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Sequence
 
 import torch
 import torch.fx as fx
@@ -69,19 +69,12 @@ def lora_weight_uses(gm: fx.GraphModule) -> int:
 
 def run_rewritten(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims):
     """Run a rewritten graph eagerly, feeding the metadata's extra inputs as the backend would."""
-    from graph_rewrites import LORA_INPUT, STACKED_A, TOKEN_INDICES
+    from graph_rewrites import LORA_INPUT
+    from xla_lora_pass.backend import lora_graph_inputs
 
-    extras = []
     device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor))
-    for node in gm.graph.find_nodes(op="placeholder"):
-        req = node.meta.get(LORA_INPUT)
-        if req is None:
-            continue
-        if req.kind == TOKEN_INDICES:
-            extras.append(meta.token_indices(device, tuple(token_dims), tuple(token_dims)))
-        else:
-            a, b = meta.stacked_weights(req.site, device)
-            extras.append(a if req.kind == STACKED_A else b)
+    requests = [n.meta[LORA_INPUT] for n in gm.graph.find_nodes(op="placeholder") if LORA_INPUT in n.meta]
+    extras = lora_graph_inputs(meta, requests, device, tuple(token_dims), tuple(token_dims))
     with torch.no_grad():
         return gm(*example_inputs, *extras)
 

@@ -306,9 +306,6 @@ def test_near_misses_leave_the_graph_unchanged(case, kind, factor):
 
 @pytest.mark.parametrize("delta_form, combine", [("torch_matmul", "base + delta * s"),
                                                  ("linear", "s * delta + base")])
-@pytest.mark.xfail(strict=True, reason="graph_rewrites/lora_linear.py gap: only operator.matmul (`@`) and F.linear "
-                   "delta forms and three of the four add/mul orders are traced patterns; torch.matmul (claimed by "
-                   "DESIGN.md, 'F.linear/@/matmul forms') and `s * delta + base` are left as near misses")
 def test_other_spellings_of_the_same_lora_are_rewritten(delta_form, combine):
     inner = peft_two_layer()
     model = HandWritten(inner, "sql", delta_form, combine, "linear", inner.base_model.model.proj.scaling["sql"])

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 
-from graph_rewrites import LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, TOKEN_INDICES, RewriteReport
-from graph_rewrites.fx_utils import example_value
+from graph_rewrites import LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport
+from graph_rewrites.site_inputs import find_token_layout
 
 from . import config
 from .bucketing import Buckets, GraphShapes, evaluate
@@ -227,19 +226,7 @@ class CompiledLoRAGraph:
         return padded
 
     def _extra_inputs(self, device, token_dims, padded_dims) -> List[torch.Tensor]:
-        extras = []
-        for req in self.extra_requests:
-            if req.kind == TOKEN_INDICES:
-                extras.append(self.meta.token_indices(device, token_dims, padded_dims))
-            elif req.kind == STACKED_A:
-                extras.append(self.meta.stacked_weights(req.site, device)[0])
-            elif req.kind == STACKED_B:
-                extras.append(self.meta.stacked_weights(req.site, device)[1])
-            elif req.kind == STACKED_BIAS:
-                extras.append(self.meta.stacked_bias(req.site, device))
-            else:
-                raise AssertionError(f"unknown graph input request {req}")
-        return extras
+        return lora_graph_inputs(self.meta, self.extra_requests, device, token_dims, padded_dims)
 
     def _compile(self, key, example_args) -> Callable:
         log.info("compiling program for bucket %s", key)
@@ -248,31 +235,35 @@ class CompiledLoRAGraph:
         self.meta._count("compiles")
         return program
 
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-_MATMUL = (operator.matmul, torch.matmul)
 
 
 def _leftover_token_layout(gm: fx.GraphModule) -> Optional[tuple]:
-    """Leading dims of the input of a LoRA A weight left in the graph (``linear(x, A)`` or ``x @ A.t()``).
+    """Token dims of the LoRA layers left in a graph, as size expressions (None if none found).
 
     Lets a fallback graph refuse a mapping of the wrong length or too many
-    tokens as a rewritten one does; None when no such use is found.
+    tokens as a rewritten one does.
     """
-    for node in gm.graph.find_nodes(op="placeholder"):
-        ref = node.meta.get(LORA_WEIGHT)
-        if ref is None or ref.role != "A":
-            continue
-        for user in node.users:
-            x = None
-            if user.op == "call_function" and user.target in _LINEAR and len(user.args) >= 2 and user.args[1] is node:
-                x = user.args[0]
-            elif (user.op, user.target) in (("call_method", "t"), ("call_function", torch.t)):
-                x = next((mm.args[0] for mm in user.users if mm.op == "call_function" and mm.target in _MATMUL
-                          and len(mm.args) == 2 and mm.args[1] is user), None)
-            value = example_value(x) if isinstance(x, fx.Node) else None
-            if isinstance(value, torch.Tensor) and value.dim() >= 1:
-                return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in value.shape[:-1])
-    return None
+    dims = find_token_layout(gm)
+    if dims is None:
+        return None
+    return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in dims)
+
+
+def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_dims) -> List[torch.Tensor]:
+    """The tensors for a rewritten graph's added placeholders, in their order."""
+    extras = []
+    for req in requests:
+        if req.kind == TOKEN_INDICES:
+            extras.append(meta.token_indices(device, token_dims, padded_dims))
+        elif req.kind == STACKED_A:
+            extras.append(meta.stacked_weights(req.site, device)[0])
+        elif req.kind == STACKED_B:
+            extras.append(meta.stacked_weights(req.site, device)[1])
+        elif req.kind == STACKED_BIAS:
+            extras.append(meta.stacked_bias(req.site, device))
+        else:
+            raise AssertionError(f"unknown graph input request {req}")
+    return extras
 
 
 def _first_device(args) -> torch.device:

@@ -151,6 +151,10 @@ class GraphShapes:
         if token_layout is not None:
             layout = tuple(e.node.expr if isinstance(e, torch.SymInt) else int(e) for e in token_layout)
         padded, why_not = cls._plan(inputs, outputs, sources, layout)
+        if why_not is None and padded:
+            why_not = padding_hazard(gm, set(padded))
+        if why_not is not None:
+            padded = ()
         return cls(inputs, outputs, sources, layout, padded, why_not)
 
     @staticmethod
@@ -212,6 +216,61 @@ class GraphShapes:
             elif kind == "symint":
                 flat[i] = evaluate(dims, bindings)
         return type(outs)(flat) if isinstance(outs, tuple) else flat
+
+
+# Ops that mix tokens along a dim: padding that dim would feed padded tokens into real ones.
+# Left out on purpose: cumsum/cumprod (prefix scans: padding after the real
+# tokens never reaches them) and softmax (attention's runs over keys that the
+# causal mask or the zero-padded attention mask already hides).
+_MIXING = {"sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "norm", "var",
+           "std", "argmax", "argmin", "topk", "sort", "nansum", "nanmean", "median", "all", "any", "count_nonzero"}
+
+
+def _token_dims(node, symbols) -> Optional[List[bool]]:
+    value = example_value(node) if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    return [isinstance(d, torch.SymInt) and bool(d.node.expr.free_symbols & symbols) for d in value.shape]
+
+
+def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
+    """Why padding ``symbols`` could change a real result, or None.
+
+    Two shapes are caught: a reduction or scan over a token dim, and indexing
+    a token dim from its end (``h[:, -1:]``: after padding, the end is padding).
+    """
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or not node.args:
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        on_tokens = _token_dims(node.args[0], symbols)
+        if not on_tokens or not any(on_tokens):
+            continue
+        if name in _MIXING:
+            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+            dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (tuple, list)) else None
+            if dims is None or any(on_tokens[d] for d in dims if isinstance(d, int)):
+                return f"{node.format_node()} reduces over a token dim"
+        elif name == "getitem" and isinstance(node.args[1], tuple):
+            index = node.args[1]
+            if Ellipsis in index or None in index:
+                continue  # positions no longer line up with dims; these index no token dim from its end here
+            for d, entry in enumerate(index[: len(on_tokens)]):
+                if on_tokens[d] and _from_end(entry):
+                    return f"{node.format_node()} indexes a token dim from its end"
+        elif name in ("narrow", "select") and len(node.args) > 2:
+            d, start = node.args[1], node.args[2]
+            if isinstance(d, int) and on_tokens[d] and isinstance(start, int) and start < 0:
+                return f"{node.format_node()} indexes a token dim from its end"
+    return None
+
+
+def _from_end(entry) -> bool:
+    if isinstance(entry, int):
+        return entry < 0
+    if isinstance(entry, slice):
+        return any(isinstance(v, int) and v < 0 for v in (entry.start, entry.stop))
+    return False
 
 
 def _flat_outputs(gm: fx.GraphModule) -> List[Any]:

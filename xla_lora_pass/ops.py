@@ -91,9 +91,16 @@ def bgmv_expand_slice_reference(x, w, y, idx, offset: int, size: int, add_inputs
 # ---------------------------------------------------------------------------
 
 
+def _compute_dtype(w: torch.Tensor) -> torch.dtype:
+    """Low-rank products in fp32 for bf16/fp16 weights: r is small, and the
+    delta then rounds once, as in the eager module's own add."""
+    return torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+
+
 def _masked_shrink(x, w, idx, scale):
     num_slots, rank, _ = w.shape
-    all_cols = x.to(w.dtype) @ w.reshape(num_slots * rank, -1).t()  # [T, N*R]
+    dtype = _compute_dtype(w)
+    all_cols = x.to(dtype) @ w.reshape(num_slots * rank, -1).t().to(dtype)  # [T, N*R]
     per_slot = all_cols.reshape(-1, num_slots, rank)
     mask = _slot_mask(idx, num_slots).unsqueeze(-1)
     # where() rather than a multiply so a NaN in a padded row stays in that row.
@@ -106,9 +113,10 @@ def _masked_shrink(x, w, idx, scale):
 def _masked_expand_delta(x, w, idx):
     num_slots, out_features, rank = w.shape
     mask = _slot_mask(idx, num_slots).unsqueeze(-1)  # [T, N, 1]
-    spread = torch.where(mask, x.to(w.dtype).unsqueeze(1), torch.zeros((), dtype=w.dtype, device=x.device))
+    dtype = _compute_dtype(w)
+    spread = torch.where(mask, x.to(dtype).unsqueeze(1), torch.zeros((), dtype=dtype, device=x.device))
     # [T, N*R] @ [N*R, O]: every slot's B in one matmul, other slots' rows are zero.
-    w_cols = w.permute(0, 2, 1).reshape(num_slots * rank, out_features)
+    w_cols = w.permute(0, 2, 1).reshape(num_slots * rank, out_features).to(dtype)
     return spread.reshape(x.shape[0], num_slots * rank) @ w_cols
 
 
