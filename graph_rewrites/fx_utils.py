@@ -1,8 +1,7 @@
 """Small FX helpers shared by the patterns."""
 from __future__ import annotations
 
-import operator
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -12,15 +11,24 @@ from .annotations import LORA_INPUT, GraphInputRequest
 VALUE_KEY = "example_value"  # Dynamo-level graphs keep their fake values here
 
 
+def _graph_cache(graph: fx.Graph) -> dict:
+    """Per-graph memo (fake mode, added inputs), so each new node costs O(1), not O(placeholders)."""
+    cache = getattr(graph, "_xla_lora_cache", None)
+    if cache is None:
+        cache = graph._xla_lora_cache = {}
+    return cache
+
+
 def fake_mode_of(graph: fx.Graph):
     """The fake mode of the graph's example values, or None for a graph traced without them."""
-    # Read it off the values themselves: detect_fake_mode would also consult the
-    # ambient tracing context, which belongs to whichever frame Dynamo is in.
-    for node in graph.find_nodes(op="placeholder"):
-        mode = getattr(node.meta.get(VALUE_KEY), "fake_mode", None)
-        if mode is not None:
-            return mode
-    return None
+    cache = _graph_cache(graph)
+    if "fake_mode" not in cache:
+        # Read it off the values themselves: detect_fake_mode would also consult the
+        # ambient tracing context, which belongs to whichever frame Dynamo is in.
+        cache["fake_mode"] = next(
+            (m for m in (getattr(n.meta.get(VALUE_KEY), "fake_mode", None)
+                         for n in graph.find_nodes(op="placeholder")) if m is not None), None)
+    return cache["fake_mode"]
 
 
 def example_value(node: Any) -> Any:
@@ -35,10 +43,10 @@ def propagate_value(node: fx.Node) -> None:
     mode = fake_mode_of(node.graph)
     if mode is None:
         return
+    if any(example_value(n) is None for n in node.all_input_nodes):
+        return
     args = fx.node.map_arg(node.args, example_value)
     kwargs = fx.node.map_arg(node.kwargs, example_value)
-    if any(isinstance(a, fx.Node) for a in fx.node.map_aggregate((args, kwargs), lambda a: a)):
-        return
     with mode:
         if node.op == "call_method":
             self_arg, *rest = args
@@ -52,12 +60,14 @@ def get_or_add_input(graph: fx.Graph, name: str, request: GraphInputRequest, dev
 
     New inputs go last so the caller appends their tensors to the original args.
     """
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    for node in placeholders:
-        if node.meta.get(LORA_INPUT) == request:
-            return node
-    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
+    added = _graph_cache(graph).setdefault("inputs", {})
+    node = added.get(request)
+    if node is not None and not node._erased:  # the fused shrink erases per-site A inputs
+        return node
+    last = next(iter(reversed(graph.find_nodes(op="placeholder"))), None)
+    with graph.inserting_after(last) if last is not None else graph.inserting_before():
         node = graph.placeholder(name)
+    added[request] = node
     node.meta[LORA_INPUT] = request
     # aot_autograd asserts every placeholder of a Dynamo graph has a source; ours has none.
     node._dynamo_source = None
@@ -76,20 +86,18 @@ def call(graph: fx.Graph, op: str, target, *args, **kwargs) -> fx.Node:
 
 
 def erase_dead(nodes: Iterable[fx.Node]) -> int:
-    """Erase the given nodes that have no users left, newest first; returns how many went."""
-    erased = 0
-    for node in sorted(nodes, key=_topo_position, reverse=True):
-        if node.op in ("call_function", "call_method") and not node.users:
-            node.graph.erase_node(node)
-            erased += 1
+    """Erase the given compute nodes that have no users left (users first); returns how many went."""
+    pending = [n for n in nodes if n.op in ("call_function", "call_method")]
+    erased, progress = 0, True
+    while progress:  # a few rounds over a site's handful of nodes: no walk over the whole graph
+        progress = False
+        for node in list(pending):
+            if not node.users:
+                node.graph.erase_node(node)
+                pending.remove(node)
+                erased += 1
+                progress = True
     return erased
-
-
-def _topo_position(node: fx.Node) -> int:
-    for i, n in enumerate(node.graph.nodes):
-        if n is node:
-            return i
-    raise ValueError(f"{node.format_node()} is not in its graph")
 
 
 def is_eval_dropout(node: fx.Node) -> bool:
@@ -109,18 +117,6 @@ def remove_eval_dropout(gm: fx.GraphModule) -> int:
             gm.graph.erase_node(node)
             removed += 1
     return removed
-
-
-def literal_operand(node: fx.Node, other: fx.Node) -> Optional[float]:
-    """For a binary ``node`` with one node operand ``other``, the numeric literal beside it."""
-    for arg in node.args:
-        if arg is not other and isinstance(arg, (int, float)) and not isinstance(arg, bool):
-            return float(arg)
-    return None
-
-
-BINARY_MUL = (operator.mul, torch.mul)
-BINARY_ADD = (operator.add, torch.add)
 
 
 def drop_none_bias(gm: fx.GraphModule) -> int:

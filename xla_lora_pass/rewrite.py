@@ -15,18 +15,13 @@ import torch.fx as fx
 
 import graph_rewrites
 from graph_rewrites import LORA_WEIGHT, LoRAWeightRef, NearMiss, RewriteContext, RewriteReport
-from graph_rewrites.fx_utils import example_value
 
 from . import config
-from .adapters import lora_param_from_source
 from . import ops  # noqa: F401  (registers torch.ops.xla_lora before any pass runs)
+from .adapters import lora_param_from_source
 from .metadata import LoRAMetadata
 
 log = logging.getLogger(__name__)
-
-
-class RewriteError(RuntimeError):
-    """The rewritten graph broke an invariant; the caller falls back to the original."""
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -119,9 +114,4 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) ->
     return new_gm, ctx.report
 
 
-def placeholder_values(gm: fx.GraphModule):
-    """The example value of every placeholder, in argument order."""
-    return [example_value(n) for n in gm.graph.find_nodes(op="placeholder")]
-
-
-__all__ = ["rewrite", "copy_graph_module", "annotate_lora_weights", "RewriteError", "placeholder_values"]
+__all__ = ["rewrite", "copy_graph_module", "annotate_lora_weights"]
