@@ -162,11 +162,13 @@ def main() -> None:
         mem = (f"{last['adapter_bytes_per_device'] / 2**20:.2f} / {last['adapter_bytes_whole'] / 2**20:.2f}"
                if "adapter_bytes_whole" in last else "-")
         base_here = med[f"base {CONFIGS[name]['devices']} dev"]
-        rows.append((name, f"{med[name]:.2f}", f"{med[name] / one:.2f}x", f"{med[name] / base_here:.2f}x", mem))
+        spread = sorted(x["step_ms"] for x in runs[name])
+        rows.append((name, f"{med[name]:.2f}", f"{spread[0]:.1f}-{spread[-1]:.1f}", f"{med[name] / one:.2f}x",
+                     f"{med[name] / base_here:.2f}x", mem))
     print(f"model: Llama hidden {HIDDEN}, intermediate {INTERMEDIATE}, {LAYERS} layers, {ADAPTERS} adapters r={RANK} "
           f"on q/k/v/o/gate/up/down; batch {BATCH}x{SEQ} tokens, one adapter per sequence; median of "
           f"{args.rounds} processes x {args.steps} steps\n")
-    print(markdown_table(["config", "ms / step", "vs same kind on 1 dev", "vs base on same devices",
+    print(markdown_table(["config", "ms / step", "range over rounds", "vs same kind on 1 dev", "vs base on same devices",
                           "adapter MiB per device / whole"], rows))
 
 
