@@ -21,6 +21,11 @@ TOKEN_INDICES = "token_indices"
 STACKED_A = "stacked_a"
 STACKED_B = "stacked_b"
 STACKED_BIAS = "stacked_bias"
+# The blocked kernel's per-step layout (xla_lora_pass/ops_blocked.py), shared by every site.
+LAYOUT_ROW_TOKEN = "layout_row_token"
+LAYOUT_BLOCK_SLOT = "layout_block_slot"
+LAYOUT_TOKEN_ROW = "layout_token_row"
+LAYOUT_KINDS = (LAYOUT_ROW_TOKEN, LAYOUT_BLOCK_SLOT, LAYOUT_TOKEN_ROW)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +49,7 @@ class LoRAWeightRef:
 class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
-    kind: str  # TOKEN_INDICES, STACKED_A, STACKED_B or STACKED_BIAS
+    kind: str  # TOKEN_INDICES, STACKED_A, STACKED_B, STACKED_BIAS or one of LAYOUT_KINDS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32

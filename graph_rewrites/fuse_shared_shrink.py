@@ -9,6 +9,7 @@ columns of the result.  Exact: the shrink is column-wise independent.
 from __future__ import annotations
 
 import collections
+import operator
 from typing import Dict, List, Tuple
 
 import torch
@@ -24,20 +25,24 @@ GROUP_SEPARATOR = "+"  # a fused A input's site is its members' names joined by 
 
 def _same_value_key(node: fx.Node) -> Tuple:
     """Structural key: two nodes with equal keys compute the same value (reshapes/narrows of one source)."""
-    if node.op == "call_method" and node.target in ("reshape", "narrow", "size"):
-        return (node.target, _same_value_key(node.args[0]) if isinstance(node.args[0], fx.Node) else node.args[0],
-                tuple(_same_value_key(a) if isinstance(a, fx.Node) else a for a in node.args[1:]))
+    if (node.op == "call_method" and node.target in ("reshape", "narrow", "size")) or (
+            node.op == "call_function" and node.target in (operator.add, operator.mul, operator.floordiv)):
+        return (node.target, tuple(_same_value_key(a) if isinstance(a, fx.Node) else a for a in node.args))
     return ("node", node)
 
 
 def _shrink_groups(graph: fx.Graph) -> List[List[fx.Node]]:
+    """Shrinks (masked or blocked) whose arguments other than A are the same values."""
     groups: Dict[Tuple, List[fx.Node]] = collections.defaultdict(list)
-    for node in graph.find_nodes(op="call_function", target=torch.ops.xla_lora.bgmv_shrink.default):
-        x2d, w, idx, scale = node.args
-        request = w.meta.get(LORA_INPUT)
-        if request is None or request.kind != STACKED_A:
-            continue
-        groups[(_same_value_key(x2d), _same_value_key(idx), scale, request.dtype)].append(node)
+    for target in (torch.ops.xla_lora.bgmv_shrink.default, torch.ops.xla_lora.bgmv_shrink_blocked.default):
+        for node in graph.find_nodes(op="call_function", target=target):
+            x2d, w, *rest = node.args
+            request = w.meta.get(LORA_INPUT)
+            if request is None or request.kind != STACKED_A:
+                continue
+            key = (target, _same_value_key(x2d), request.dtype,
+                   tuple(_same_value_key(a) if isinstance(a, fx.Node) else a for a in rest))
+            groups[key].append(node)
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -57,21 +62,20 @@ def fuse_shared_shrinks(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
         device = fx_utils.example_value(first).device
         fused_w = fx_utils.get_or_add_input(graph, f"lora_a_fused_{ctx.report.shrinks_fused}", fused_request,
                                             device)
-        x2d, _, idx, scale = first.args
+        x2d, _, *rest = first.args
         with graph.inserting_before(first):
-            fused = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink.default,
-                                  x2d, fused_w, idx, scale)
+            fused = fx_utils.call(graph, "call_function", first.target, x2d, fused_w, *rest)
         offset = 0
         for node, rank in zip(group, ranks):
             with graph.inserting_after(fused):
                 part = fx_utils.call(graph, "call_method", "narrow", fused, 1, offset, rank)
             node.replace_all_uses_with(part)
-            old_x2d, old_w, old_idx = node.args[:3]
+            old_x2d, old_w, *old_rest = node.args
             graph.erase_node(node)
             if not old_w.users:
                 graph.erase_node(old_w)  # the per-site A input is no longer fed
             if node is not first:
-                fx_utils.erase_dead(_producers(old_x2d) + _producers(old_idx))
+                fx_utils.erase_dead(_producers(old_x2d) + [p for a in old_rest for p in _producers(a)])
             offset += rank
         ctx.report.shrinks_fused += len(group) - 1
         fused_any = True
@@ -79,9 +83,16 @@ def fuse_shared_shrinks(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
 
 
 def _producers(node) -> List[fx.Node]:
-    """``node`` and the reshape/size/narrow chain that made it (the candidates to erase once unused)."""
-    out = []
-    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("reshape", "narrow", "size"):
-        out.append(node)
-        node = next((a for a in node.args[1:] if isinstance(a, fx.Node)), None)
+    """``node`` and the reshape/size/narrow/arithmetic nodes that made it (candidates to erase once unused)."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in out:
+            continue
+        if (n.op == "call_method" and n.target in ("reshape", "narrow", "size")) or (
+                n.op == "call_function" and n.target in (operator.add, operator.mul, operator.floordiv)):
+            out.append(n)
+            todo.extend(a for a in n.args[1:] if isinstance(a, fx.Node))
+            if n.op == "call_function":
+                todo.append(n.args[0])
     return out

@@ -28,7 +28,7 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 from . import fx_utils
 from .annotations import LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, LoRAWeightRef
 from .report import NearMiss, RewriteContext, SiteRewrite
-from .site_inputs import device_of, dims_key, site_indices, stacked_input
+from .site_inputs import device_of, dims_key, site_block_layout, site_indices, stacked_input
 
 PATTERN_NAME = "lora_linear"
 
@@ -148,15 +148,23 @@ def should_rewrite_lora_linear(m: LinearMatch) -> bool:
 
 
 def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext):
-    """Insert the shrink/expand nodes before ``m.output``; returns (new output, idx node) or (None, reason)."""
+    """Insert the shrink/expand nodes before ``m.output``; returns (new output, None) or (None, reason).
+
+    Sites on the graph's token layout use the blocked kernel (its layout is
+    built once per step and shared); a row selection (``lm_head`` on the last
+    rows) or a LoRA bias reads the token indices.
+    """
     ref: LoRAWeightRef = m.weight
     device = device_of(m.x)
     with graph.inserting_before(m.output):
         x2d = fx_utils.call(graph, "call_method", "reshape", m.x, -1, ref.in_features)
-        idx, reason = site_indices(graph, ctx, m.x, x2d, 1, device)
-        if idx is None:
-            graph.erase_node(x2d)
-            return None, reason
+        layout = site_block_layout(graph, ctx, m.x, x2d, 1, device)
+        idx = None
+        if layout is None or m.lora_bias is not None:
+            idx, reason = site_indices(graph, ctx, m.x, x2d, 1, device)
+            if idx is None:
+                graph.erase_node(x2d)
+                return None, reason
         stacked_a = stacked_input(graph, ref, STACKED_A, (ref.num_slots, ref.stacked_rank, ref.in_features), device)
         stacked_b = stacked_input(graph, ref, STACKED_B, (ref.num_slots, ref.out_features, ref.stacked_rank), device)
         base2d = fx_utils.call(graph, "call_method", "reshape", m.base, -1, ref.out_features)
@@ -164,10 +172,16 @@ def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext
         if fx_utils.example_value(m.base).dtype != out_dtype:
             # The eager add promotes (bf16 base + fp32 LoRA -> fp32): keep that dtype.
             base2d = fx_utils.call(graph, "call_method", "to", base2d, out_dtype)
-        shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink.default,
-                               x2d, stacked_a, idx, 1.0)
-        expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand.default,
-                                 shrunk, stacked_b, base2d, idx, True)
+        if layout is not None:
+            shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink_blocked.default,
+                                   x2d, stacked_a, *layout, 1.0)
+            expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand_blocked.default,
+                                     shrunk, stacked_b, base2d, *layout, True)
+        else:
+            shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink.default,
+                                   x2d, stacked_a, idx, 1.0)
+            expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand.default,
+                                     shrunk, stacked_b, base2d, idx, True)
         expanded = add_site_bias(graph, m, ref, expanded, idx, device)
         out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
     return out, None

@@ -16,7 +16,8 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .annotations import LORA_WEIGHT, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef
+from .annotations import (LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT, TOKEN_INDICES,
+                          GraphInputRequest, LoRAWeightRef)
 from .report import RewriteContext
 
 
@@ -147,6 +148,36 @@ def _row_selection(tokens: fx.Node, layout, n_feature_dims: int):
            for p in token_part):
         return None
     return source, token_part
+
+
+def site_block_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
+                      device) -> Optional[Tuple[fx.Node, fx.Node, fx.Node]]:
+    """The blocked kernel's (row_token, block_slot, token_row) for a site on the graph's token layout.
+
+    None when the blocked kernel is off or the site's tokens are not the
+    layout's (a row selection keeps the masked kernel and its indices).  The
+    inputs are fixed-size buffers; the graph narrows them to this bucket's
+    ``ceil(T / BS) + N`` blocks and T tokens.
+    """
+    shape = _shape(tokens)
+    if ctx.kernel != "blocked" or shape is None or ctx.token_layout is None:
+        return None
+    if dims_key(shape[: len(shape) - n_feature_dims]) != dims_key(ctx.token_layout):
+        return None
+    bs, n = ctx.block_size, ctx.num_slots
+    max_blocks = -(-ctx.max_num_tokens // bs) + n
+    sizes = {LAYOUT_ROW_TOKEN: (max_blocks * bs,), LAYOUT_BLOCK_SLOT: (max_blocks,),
+             LAYOUT_TOKEN_ROW: (ctx.max_num_tokens,)}
+    inputs = {kind: fx_utils.get_or_add_input(graph, f"lora_{kind}", GraphInputRequest(kind, None, size), device)
+              for kind, size in sizes.items()}
+    count = fx_utils.call(graph, "call_method", "size", flat, 0)
+    blocks = fx_utils.call(graph, "call_function", operator.add,
+                           fx_utils.call(graph, "call_function", operator.floordiv,
+                                         fx_utils.call(graph, "call_function", operator.add, count, bs - 1), bs), n)
+    rows = fx_utils.call(graph, "call_function", operator.mul, blocks, bs)
+    return (fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_ROW_TOKEN], 0, 0, rows),
+            fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_BLOCK_SLOT], 0, 0, blocks),
+            fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_TOKEN_ROW], 0, 0, count))
 
 
 def stacked_input(graph: fx.Graph, ref: LoRAWeightRef, kind: str, shape, device) -> fx.Node:

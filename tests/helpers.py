@@ -101,9 +101,20 @@ def check_rewrite(fn: Callable, args: Sequence, meta: xlp.LoRAMetadata, *, rewri
     return new_gm, report
 
 
-def shrink_expand_counts(shrink: int, expand: int, expand_slice: int = 0) -> Dict:
+def shrink_expand_counts(shrink: int, expand: int) -> Dict:
+    """Op counts for ``check_rewrite`` in the kernel ``config.kernel`` selects (sites on the token layout)."""
+    if xlp.config.kernel == "blocked":
+        return {torch.ops.xla_lora.bgmv_shrink_blocked.default: shrink,
+                torch.ops.xla_lora.bgmv_expand_blocked.default: expand,
+                torch.ops.xla_lora.bgmv_shrink.default: 0, torch.ops.xla_lora.bgmv_expand.default: 0}
     return {torch.ops.xla_lora.bgmv_shrink.default: shrink, torch.ops.xla_lora.bgmv_expand.default: expand,
-            torch.ops.xla_lora.bgmv_expand_slice.default: expand_slice}
+            torch.ops.xla_lora.bgmv_shrink_blocked.default: 0, torch.ops.xla_lora.bgmv_expand_blocked.default: 0}
+
+
+def count_shrinks(gm: fx.GraphModule) -> int:
+    """Shrink calls of either kernel (masked or blocked)."""
+    return (count_ops(gm, torch.ops.xla_lora.bgmv_shrink.default)
+            + count_ops(gm, torch.ops.xla_lora.bgmv_shrink_blocked.default))
 
 
 def strip_ids(text: str) -> str:

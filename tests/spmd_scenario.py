@@ -155,7 +155,8 @@ def main():
     fused = [k[0] for k in meta._device_stacks if "+" in k[0]]
     out["fused_specs"] = {k: torch_xla._XLAC._get_xla_sharding_spec(meta.stacked_weights(k, device)[0])
                           for k in fused}
-    out["index_specs"] = sorted({torch_xla._XLAC._get_xla_sharding_spec(t) for t in meta._index_cache.values()})
+    index_tensors = [t for v in meta._index_cache.values() for t in (v if isinstance(v, tuple) else (v,))]
+    out["index_specs"] = sorted({torch_xla._XLAC._get_xla_sharding_spec(t) for t in index_tensors})
 
     # Memory: bytes on one device of each site's stacked A and B, sharded vs whole; and of every
     # stacked buffer the graph takes (the fused q+k+v / gate+up A copies too).

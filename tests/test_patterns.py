@@ -11,14 +11,14 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import tiny_llama_config
 
-from .helpers import assert_golden, capture_graphs, check_rewrite, count_ops, lora_weight_uses, normalize_gm
+from .helpers import (assert_golden, capture_graphs, check_rewrite, count_ops, count_shrinks, lora_weight_uses,
+                      normalize_gm)
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
                  "lm_head"]
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc", "wte", "lm_head"]
 # (name, rank, alpha, rsLoRA): every adapter has its own rank and scaling.
 ADAPTERS = [("sql", 4, 8, False), ("chat", 8, 16, True), ("code", 2, 2, False), ("math", 6, 3, False)]
-SHRINK = torch.ops.xla_lora.bgmv_shrink.default
 EMB_SHRINK = torch.ops.xla_lora.bgmv_embedding_shrink.default
 
 
@@ -92,10 +92,10 @@ def test_every_lora_module_rewritten_on_xla(family, dtype, xla_device):
     assert count_ops(graph.gm, EMB_SHRINK) == 1
     if family == "llama":
         # One shrink per shared input: q/k/v, o, gate/up, down per layer, and lm_head.
-        assert count_ops(graph.gm, SHRINK) == 4 * 2 + 1
+        assert count_shrinks(graph.gm) == 4 * 2 + 1
         assert graph.report.shrinks_fused == 2 * (2 + 1)
     else:  # GPT-2: c_attn, attn c_proj, c_fc, mlp c_proj per layer, and lm_head: no shared inputs
-        assert count_ops(graph.gm, SHRINK) == 4 * 2 + 1
+        assert count_shrinks(graph.gm) == 4 * 2 + 1
 
 
 # ------------------------------------------------------------ golden graphs
@@ -142,7 +142,8 @@ def test_pattern_golden_and_numerics(name, targets, kw, rewrites, shrinks, updat
         reference = model(ids, keep_last, adapter_names=["__base__" if r is None else r for r in rows])
     _mapped(meta, rows, 4)
     new_gm, report = check_rewrite(lambda i: model(i, keep_last), [ids], meta, rewrites=rewrites,
-                                   ops={SHRINK: shrinks}, reference=reference, token_dims=(3, 4))
+                                   ops={}, reference=reference, token_dims=(3, 4))
+    assert count_shrinks(new_gm) == shrinks
     assert lora_weight_uses(new_gm) == 0
     assert_golden(name, normalize_gm(new_gm), update_golden)
 
@@ -206,7 +207,7 @@ def test_shared_input_sites_with_other_inputs_are_not_fused():
     meta.register_adapters(model)
     (gm, example_inputs), = capture_graphs(model, torch.randint(0, 50, (2, 4)))
     new_gm, report = xlp.rewrite(gm, example_inputs, meta)
-    assert count_ops(new_gm, SHRINK) == 2 and report.shrinks_fused == 0
+    assert count_shrinks(new_gm) == 2 and report.shrinks_fused == 0
 
 
 def test_row_selection_from_the_end_is_rewritten_but_not_padded(xla_device):

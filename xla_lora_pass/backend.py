@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from graph_rewrites import LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport
+from graph_rewrites.annotations import LAYOUT_KINDS
 from graph_rewrites.site_inputs import find_token_layout
 
 from . import config
@@ -261,6 +262,8 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
             extras.append(meta.stacked_weights(req.site, device)[1])
         elif req.kind == STACKED_BIAS:
             extras.append(meta.stacked_bias(req.site, device))
+        elif req.kind in LAYOUT_KINDS:
+            extras.append(meta.block_layout(device, token_dims, padded_dims)[LAYOUT_KINDS.index(req.kind)])
         else:
             raise AssertionError(f"unknown graph input request {req}")
     return extras

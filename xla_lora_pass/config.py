@@ -31,3 +31,10 @@ dump_dir = os.environ.get("XLA_LORA_DUMP_DIR") or None
 # make_backend turns it back on.  Set False to keep torch_xla's choice; then
 # pass dynamic=True to torch.compile to get bucketing.
 enable_automatic_dynamic_shapes = True
+
+# The BGMV kernel the pass emits for sites on the graph's token layout:
+# "blocked" sorts tokens by slot into 32-row blocks, with the layout built once
+# per step on the host and shared by every layer (1/N of the masked form's
+# LoRA FLOPs); "masked" multiplies every token by every slot's weights and
+# selects (simplest, no layout input).  docs/kernels.md has the measurements.
+kernel = "blocked"

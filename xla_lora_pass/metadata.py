@@ -46,6 +46,7 @@ from graph_rewrites import GROUP_SEPARATOR
 
 from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
 from .errors import UnsupportedMappingError
+from .ops_blocked import padded_layout
 
 log = logging.getLogger(__name__)
 
@@ -438,17 +439,38 @@ class LoRAMetadata:
         key = (str(device), tuple(real_dims), tuple(padded_dims))
         with self._lock:
             cached = self._index_cache.get(key)
-            if cached is not None:
-                return cached
-            mapping = self._mapping
-            if mapping is None:
-                mapping = torch.full((math.prod(real_dims),), NO_LORA, dtype=torch.int32)
-            host = torch.full((self.max_num_tokens,), NO_LORA, dtype=torch.int32)
-            grid = torch.full(tuple(padded_dims), NO_LORA, dtype=torch.int32)
-            grid[tuple(slice(0, d) for d in real_dims)] = mapping.reshape(tuple(real_dims))
-            host[: grid.numel()] = grid.reshape(-1)
-            self._index_cache[key] = host.to(device)
-            return self._index_cache[key]
+            if cached is None:
+                host = torch.full((self.max_num_tokens,), NO_LORA, dtype=torch.int32)
+                grid = self._padded_grid(real_dims, padded_dims)
+                host[: grid.numel()] = grid
+                cached = self._index_cache[key] = host.to(device)
+            return cached
+
+    def _padded_grid(self, real_dims, padded_dims) -> torch.Tensor:
+        """Host int32 indices of the padded bucket, flattened: the mapping, -1 on padding."""
+        mapping = self._mapping
+        if mapping is None:
+            mapping = torch.full((math.prod(real_dims),), NO_LORA, dtype=torch.int32)
+        grid = torch.full(tuple(padded_dims), NO_LORA, dtype=torch.int32)
+        grid[tuple(slice(0, d) for d in real_dims)] = mapping.reshape(tuple(real_dims))
+        return grid.reshape(-1)
+
+    def block_layout(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]):
+        """The blocked kernel's layout for this step (row_token, block_slot, token_row) on ``device``.
+
+        Built once per mapping and bucket on the host (a few numpy ops on T
+        ints) and shared by every LoRA layer of every call until the mapping
+        changes; buffers sized for ``max_num_tokens`` so their shapes never
+        change (the graph narrows them).
+        """
+        key = ("blocks", str(device), tuple(real_dims), tuple(padded_dims))
+        with self._lock:
+            cached = self._index_cache.get(key)
+            if cached is None:
+                layout = padded_layout(self._padded_grid(real_dims, padded_dims), self.num_slots,
+                                       self.max_num_tokens)
+                cached = self._index_cache[key] = tuple(t.to(device) for t in layout)
+            return cached
 
     # ------------------------------------------------------------------ stats
     @property

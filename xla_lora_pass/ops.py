@@ -225,3 +225,7 @@ def bgmv_bias(y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.T
 @bgmv_bias.register_fake
 def _bgmv_bias_fake(y, bias, idx):
     return torch.empty_like(y)
+
+
+# The blocked kernels register torch.ops.xla_lora.bgmv_*_blocked alongside these.
+from . import ops_blocked  # noqa: E402,F401

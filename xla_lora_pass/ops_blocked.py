@@ -1,7 +1,9 @@
 """Blocked BGMV: tokens sorted by slot into fixed-size row blocks (DESIGN.md, kernel table).
 
-A standalone form of ``bgmv_shrink`` / ``bgmv_expand`` (same semantics as
-:mod:`xla_lora_pass.ops`), not wired into the graph pass or the metadata.
+The same semantics as ``bgmv_shrink`` / ``bgmv_expand`` in
+:mod:`xla_lora_pass.ops`, registered as ``torch.ops.xla_lora.bgmv_*_blocked``;
+the graph pass emits them when ``config.kernel == "blocked"`` (the default),
+and ``LoRAMetadata.block_layout`` builds the layout once per step.
 
 The layout is built ONCE per step on the host from the int32 token indices
 and shared by every LoRA layer of the step:
@@ -31,7 +33,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["BLOCK_SIZE", "BlockedLayout", "num_blocks", "build_layout", "blocked_shrink", "blocked_expand"]
+__all__ = ["BLOCK_SIZE", "BlockedLayout", "num_blocks", "build_layout", "blocked_shrink", "blocked_expand",
+           "bgmv_shrink_blocked", "bgmv_expand_blocked", "padded_layout"]
 
 BLOCK_SIZE = 32
 
@@ -123,3 +126,49 @@ def blocked_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, layout: Bl
     delta = torch.bmm(xb, wb.transpose(1, 2)).reshape(-1, w.shape[1])  # [NB*BS, O]
     delta = delta.index_select(0, layout.token_row).to(y.dtype)  # -1 tokens read a zero padding row
     return y + delta if add_inputs else delta
+
+
+# ---------------------------------------------------------------------------
+# As torch.ops.xla_lora custom ops, for the graph pass (config.kernel = "blocked").
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("xla_lora::bgmv_shrink_blocked", mutates_args=())
+def bgmv_shrink_blocked(x: torch.Tensor, w: torch.Tensor, row_token: torch.Tensor, block_slot: torch.Tensor,
+                        token_row: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``bgmv_shrink`` through a step's block layout (the three tensors of :class:`BlockedLayout`)."""
+    return blocked_shrink(x, w, BlockedLayout(row_token, block_slot, token_row), scale)
+
+
+@bgmv_shrink_blocked.register_fake
+def _bgmv_shrink_blocked_fake(x, w, row_token, block_slot, token_row, scale=1.0):
+    return x.new_empty((token_row.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("xla_lora::bgmv_expand_blocked", mutates_args=())
+def bgmv_expand_blocked(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, row_token: torch.Tensor,
+                        block_slot: torch.Tensor, token_row: torch.Tensor, add_inputs: bool = True) -> torch.Tensor:
+    """``bgmv_expand`` through a step's block layout."""
+    return blocked_expand(x, w, y, BlockedLayout(row_token, block_slot, token_row), add_inputs)
+
+
+@bgmv_expand_blocked.register_fake
+def _bgmv_expand_blocked_fake(x, w, y, row_token, block_slot, token_row, add_inputs=True):
+    return torch.empty_like(y)
+
+
+def padded_layout(idx: torch.Tensor, num_slots: int, max_tokens: int, block_size: int = BLOCK_SIZE) -> BlockedLayout:
+    """The layout of ``idx`` in buffers of fixed sizes for ``max_tokens`` (the graph narrows them).
+
+    Fixed sizes keep the graph inputs' shapes the same for every bucket; the
+    graph narrows them to ``ceil(T / BS) + N`` blocks and T tokens.
+    """
+    lay = build_layout(idx, num_slots, block_size)
+    nb_max = num_blocks(max_tokens, num_slots, block_size)
+    row_token = torch.full((nb_max * block_size,), -1, dtype=torch.int32)
+    block_slot = torch.zeros(nb_max, dtype=torch.int32)
+    token_row = torch.zeros(max_tokens, dtype=torch.int32)
+    row_token[: lay.row_token.numel()] = lay.row_token
+    block_slot[: lay.block_slot.numel()] = lay.block_slot
+    token_row[: lay.token_row.numel()] = lay.token_row
+    return BlockedLayout(row_token, block_slot, token_row)

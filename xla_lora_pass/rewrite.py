@@ -96,7 +96,8 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) ->
     """Rewrite every LoRA site of a copy of ``gm``; return the copy and the report."""
     new_gm = copy_graph_module(gm)
     annotate_lora_weights(new_gm, example_inputs, meta)
-    ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport())
+    ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=config.kernel,
+                         num_slots=meta.num_slots)
     try:
         graph_rewrites.run_passes(new_gm, ctx, config.passes)
         if not ctx.report.sites:
