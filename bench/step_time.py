@@ -12,7 +12,8 @@ steady state (compiled and warmed up first; every step ends with
 
 * ``base, openxla``: the model with no LoRA, ``torch.compile(backend="openxla")``: the floor.
 * ``merged, openxla``: one adapter merged (PEFT ``merge_and_unload``): what a single adapter costs.
-* ``xla_lora``: this backend, ``meta.set_token_adapters`` with the mixed mapping, every step.
+* ``xla_lora``: this backend (blocked kernel, the default), ``meta.set_token_adapters`` with the
+  mixed mapping, every step; ``xla_lora, masked kernel``: the same with ``config.kernel = "masked"``.
 * ``PEFT openxla, per adapter``: PEFT compiled with plain openxla, one call per adapter
   (``set_adapter``) on that adapter's sequences.
 * ``PEFT eager mixed (CPU)`` and ``base eager (CPU)``: PEFT's ``adapter_names=`` mixed-batch path and
@@ -96,6 +97,11 @@ def main(argv=None) -> int:
     meta = xlp.LoRAMetadata(max_num_tokens=max(tokens))
     meta.register_adapters(ours_model)
     ours = torch.compile(ours_model, backend=xlp.make_backend(meta))
+    # The same backend with the masked kernel (config.kernel is read when a graph is rewritten).
+    masked_model = copy.deepcopy(peft_cpu).to(dev)
+    meta_masked = xlp.LoRAMetadata(max_num_tokens=max(tokens))
+    meta_masked.register_adapters(masked_model)
+    ours_masked = torch.compile(masked_model, backend=xlp.make_backend(meta_masked))
     c_base = torch.compile(base_xla, backend="openxla")
     c_merged = torch.compile(merged_xla, backend="openxla")
     c_loop = torch.compile(loop_model, backend="openxla")
@@ -130,6 +136,15 @@ def main(argv=None) -> int:
             return ours(input_ids=ids_dev).logits.cpu()
 
         @torch.no_grad()
+        def step_ours_masked():
+            meta_masked.set_token_adapters(mapping)
+            saved, xlp.config.kernel = xlp.config.kernel, "masked"
+            try:
+                return ours_masked(input_ids=ids_dev).logits.cpu()
+            finally:
+                xlp.config.kernel = saved
+
+        @torch.no_grad()
         def step_loop():
             outs = []
             for a, g_ids in groups:
@@ -149,6 +164,7 @@ def main(argv=None) -> int:
             "base, openxla": static(step_base),
             "merged 1 adapter, openxla": static(step_merged),
             "xla_lora": step_ours,
+            "xla_lora, masked kernel": step_ours_masked,
             "PEFT openxla, per adapter": static(step_loop),
             "base eager (CPU)": step_eager_base,
             "PEFT eager mixed (CPU)": step_eager_mixed,

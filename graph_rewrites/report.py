@@ -36,7 +36,7 @@ class RewriteContext:
     max_num_tokens: int
     report: "RewriteReport"
     token_layout: Optional[Tuple] = None  # example dims (int/SymInt) the mapping is laid out over
-    kernel: str = "blocked"  # "blocked": tokens sorted by slot into row blocks; "masked": every slot's columns
+    kernel: str = "masked"  # "masked": every slot's columns; "blocked": tokens sorted by slot into row blocks
     block_size: int = 32
     num_slots: int = 0  # for the blocked layout's block count
 

@@ -249,3 +249,52 @@ def test_reduction_over_tokens_is_never_padded():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     [dynamic] = [g for g in backend.graphs if g.shapes.sources]
     assert "reduces over a token dim" in dynamic.shapes.not_bucketable
+
+
+# ------------------------------------------------------------ blocked kernel
+def test_blocked_kernel_golden_and_numerics(monkeypatch, update_golden):
+    """config.kernel = "blocked": the same sites through the sorted-block kernel and its shared layout."""
+    from .models import peft_two_layer, per_row_reference
+
+    monkeypatch.setattr(xlp.config, "kernel", "blocked")
+    model = peft_two_layer()
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    meta.register_adapters(model)
+    x = torch.randn(3, 5, 16)
+    rows = ["sql", None, "chat"]
+    _mapped(meta, rows, 5)
+    new_gm, report = check_rewrite(model, [x], meta, rewrites={"lora_linear": 1},
+                                   ops={torch.ops.xla_lora.bgmv_shrink_blocked.default: 1,
+                                        torch.ops.xla_lora.bgmv_expand_blocked.default: 1,
+                                        torch.ops.xla_lora.bgmv_shrink.default: 0},
+                                   reference=per_row_reference(model, x, rows), token_dims=(3, 5))
+    assert lora_weight_uses(new_gm) == 0
+    assert_golden("lora_linear_blocked", normalize_gm(new_gm), update_golden)
+
+
+def test_blocked_kernel_on_xla_buckets_and_remaps_without_compiles(monkeypatch, xla_device):
+    from .xla_utils import xla_compiles
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(xlp.config, "kernel", "blocked")
+    model = _llama(layers=1, adapters=ADAPTERS[:3])
+    rows = ["sql", "chat", None, "code"]
+    inputs = {n: torch.randint(0, 128, (4, n), generator=torch.Generator().manual_seed(n)) for n in (5, 7, 11)}
+    refs = {(n, tuple(r)): _rows_reference(model, inputs[n], r) for n in inputs for r in (rows, rows[::-1])}
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=128)
+    meta.register_adapters(model)
+    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(8, 32))
+    compiled = torch.compile(model, backend=backend)
+    for n in inputs:
+        for r in (rows, rows[::-1]):
+            _mapped(meta, r, n)
+            before = xla_compiles()
+            with torch.no_grad():
+                out = compiled(input_ids=inputs[n].to(xla_device)).logits.cpu()
+            assert (out - refs[(n, tuple(r))]).abs().max().item() < 1e-4, (n, r)
+            if r is not rows:  # the remap of an already-run shape compiles nothing
+                assert xla_compiles() == before
+    model.cpu()
+    assert all(count_ops(g.gm, torch.ops.xla_lora.bgmv_shrink_blocked.default) > 0 for g in backend.graphs)
+    assert meta.stats["compiles"] == 3  # the first static trace, then buckets 8 and 16

@@ -2,7 +2,7 @@
 
 The same semantics as ``bgmv_shrink`` / ``bgmv_expand`` in
 :mod:`xla_lora_pass.ops`, registered as ``torch.ops.xla_lora.bgmv_*_blocked``;
-the graph pass emits them when ``config.kernel == "blocked"`` (the default),
+the graph pass emits them when ``config.kernel == "blocked"``,
 and ``LoRAMetadata.block_layout`` builds the layout once per step.
 
 The layout is built ONCE per step on the host from the int32 token indices
