@@ -6,7 +6,7 @@ One process per layer count (``bench/run.py`` starts them), the step-time
 model (hidden 512, all-linear LoRA r=16, 4 adapters) with L decoder layers:
 
 * ``rewrite_s``: ``xla_lora_pass.rewrite`` alone on the graphs Dynamo captures
-  (as tests/helpers.capture_graphs does), median of --reps runs;
+  (``xla_lora_pass.capture_graphs``), median of --reps runs;
 * then the model compiled with this backend and run once on 128 tokens:
   ``rewrite_in_backend_s`` (the same pass, timed inside the real compile),
   ``xla_compile_s`` (torch_xla's CompileTime metric) and ``first_call_s``
@@ -24,20 +24,7 @@ from _common import xla_compile_stats
 from _timing import emit
 from step_time import BATCH, VOCAB, build_models
 
-
-def capture_graphs(fn, *args, **kwargs):
-    """Every (GraphModule, example_inputs) Dynamo hands a backend for one call (tests/helpers.py)."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(fn, backend=record)(*args, **kwargs)
-    torch._dynamo.reset()
-    return graphs
+from xla_lora_pass import capture_graphs
 
 
 def main(argv=None) -> int:

@@ -16,10 +16,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from . import fx_utils
-from .annotations import LORA_WEIGHT, STACKED_A, STACKED_B, LoRAWeightRef
-from .lora_linear import COMBINE_FORMS, LinearMatch, apply_matches, find_matches, weights_reason
+from .annotations import LORA_WEIGHT, LoRAWeightRef
+from .lora_linear import COMBINE_FORMS, LinearMatch, apply_matches, find_matches, stacks_and_base, weights_reason
 from .report import RewriteContext
-from .site_inputs import device_of, site_indices, stacked_input
+from .site_inputs import device_of, site_indices
 
 PATTERN_NAME = "lora_embedding"
 
@@ -77,12 +77,7 @@ def lora_embedding_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteCont
         if idx is None:
             graph.erase_node(ids)
             return None, reason
-        stacked_a = stacked_input(graph, ref, STACKED_A, (ref.num_slots, ref.stacked_rank, ref.in_features), device)
-        stacked_b = stacked_input(graph, ref, STACKED_B, (ref.num_slots, ref.out_features, ref.stacked_rank), device)
-        base2d = fx_utils.call(graph, "call_method", "reshape", m.base, -1, ref.out_features)
-        out_dtype = fx_utils.example_value(m.output).dtype
-        if fx_utils.example_value(m.base).dtype != out_dtype:
-            base2d = fx_utils.call(graph, "call_method", "to", base2d, out_dtype)
+        stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device)
         shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_embedding_shrink.default,
                                ids, stacked_a, idx)
         expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand.default,

@@ -165,13 +165,7 @@ def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext
             if idx is None:
                 graph.erase_node(x2d)
                 return None, reason
-        stacked_a = stacked_input(graph, ref, STACKED_A, (ref.num_slots, ref.stacked_rank, ref.in_features), device)
-        stacked_b = stacked_input(graph, ref, STACKED_B, (ref.num_slots, ref.out_features, ref.stacked_rank), device)
-        base2d = fx_utils.call(graph, "call_method", "reshape", m.base, -1, ref.out_features)
-        out_dtype = fx_utils.example_value(m.output).dtype
-        if fx_utils.example_value(m.base).dtype != out_dtype:
-            # The eager add promotes (bf16 base + fp32 LoRA -> fp32): keep that dtype.
-            base2d = fx_utils.call(graph, "call_method", "to", base2d, out_dtype)
+        stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device)
         if layout is not None:
             shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink_blocked.default,
                                    x2d, stacked_a, *layout, 1.0)
@@ -185,6 +179,18 @@ def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext
         expanded = add_site_bias(graph, m, ref, expanded, idx, device)
         out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
     return out, None
+
+
+def stacks_and_base(graph: fx.Graph, m: LinearMatch, ref: LoRAWeightRef, device):
+    """The site's stacked A and B inputs, and the base output as ``[T, out]`` in the output's dtype."""
+    stacked_a = stacked_input(graph, ref, STACKED_A, (ref.num_slots, ref.stacked_rank, ref.in_features), device)
+    stacked_b = stacked_input(graph, ref, STACKED_B, (ref.num_slots, ref.out_features, ref.stacked_rank), device)
+    base2d = fx_utils.call(graph, "call_method", "reshape", m.base, -1, ref.out_features)
+    out_dtype = fx_utils.example_value(m.output).dtype
+    if fx_utils.example_value(m.base).dtype != out_dtype:
+        # The eager add promotes (bf16 base + fp32 LoRA -> fp32): keep that dtype.
+        base2d = fx_utils.call(graph, "call_method", "to", base2d, out_dtype)
+    return stacked_a, stacked_b, base2d
 
 
 def add_site_bias(graph, m: LinearMatch, ref: LoRAWeightRef, y2d, idx, device):

@@ -15,17 +15,7 @@ GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
 
 def capture_graphs(fn: Callable, *args, **kwargs):
     """Every (GraphModule, example_inputs) Dynamo hands a backend for one call of ``fn``."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(fn, backend=record)(*args, **kwargs)
-    torch._dynamo.reset()
-    return graphs
+    return xlp.capture_graphs(fn, *args, **kwargs)
 
 
 def normalize_gm(gm: fx.GraphModule) -> str:

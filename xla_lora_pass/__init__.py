@@ -13,7 +13,7 @@ from .backend import LoRABackend, make_backend
 from .errors import UnsupportedMappingError
 from .bucketing import Buckets
 from .metadata import NO_LORA, LoRAMetadata
-from .rewrite import rewrite
+from .rewrite import capture_graphs, rewrite
 
 _default_metadata = None
 
@@ -35,6 +35,6 @@ def xla_lora_backend(gm, example_inputs):
 
 
 __all__ = [
-    "Buckets", "LoRABackend", "LoRAMetadata", "NO_LORA", "UnsupportedMappingError", "config",
+    "Buckets", "LoRABackend", "capture_graphs", "LoRAMetadata", "NO_LORA", "UnsupportedMappingError", "config",
     "default_metadata", "make_backend", "ops", "rewrite", "xla_lora_backend",
 ]

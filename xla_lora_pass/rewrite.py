@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -22,6 +22,28 @@ from .adapters import lora_param_from_source
 from .metadata import LoRAMetadata
 
 log = logging.getLogger(__name__)
+
+
+def capture_graphs(fn, *args, **kwargs) -> List[Tuple[fx.GraphModule, list]]:
+    """Every (GraphModule, example_inputs) Dynamo hands a backend for one call ``fn(*args, **kwargs)``.
+
+    For tools and golden tests that run the pass alone.  Dynamo is reset on
+    both sides: a cached graph, or one past the recompile limit, would never
+    reach the recording backend.
+    """
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(fn, backend=record)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return graphs
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -115,4 +137,4 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) ->
     return new_gm, ctx.report
 
 
-__all__ = ["rewrite", "copy_graph_module", "annotate_lora_weights"]
+__all__ = ["rewrite", "capture_graphs", "copy_graph_module", "annotate_lora_weights"]

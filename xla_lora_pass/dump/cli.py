@@ -86,14 +86,9 @@ def _compile_once(model, args, kwargs, backend: Callable) -> None:
 
 def capture_graphs(model, args: Sequence, kwargs: Dict) -> List[Tuple[fx.GraphModule, list]]:
     """Every (GraphModule, example_inputs) Dynamo hands a backend for one call of ``model``."""
-    graphs = []
+    from ..rewrite import capture_graphs as capture
 
-    def record(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    _compile_once(model, args, kwargs, record)
-    return graphs
+    return capture(model, *args, **kwargs)
 
 
 def dump_model(model, args: Sequence, kwargs: Dict, meta: LoRAMetadata) -> List[GraphDump]:
