@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 import torch
 import torch.fx as fx
 
-from graph_rewrites import LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport
+from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport,
+                            unrewritten_lora_weights)
 from graph_rewrites.annotations import LAYOUT_KINDS
 from graph_rewrites.site_inputs import find_token_layout
 
@@ -125,8 +126,6 @@ class CompiledLoRAGraph:
         self.shapes = GraphShapes.analyze(gm, num_args, layout)
         if self.shapes.not_bucketable:
             log.info("graph compiled per exact shape: %s", self.shapes.not_bucketable)
-        from graph_rewrites import unrewritten_lora_weights
-
         self.leftovers = unrewritten_lora_weights(gm)
         # A graph with no rewritten site still has token dims: those of a LoRA layer left alone.
         self.leftover_layout = _leftover_token_layout(gm) if self.leftovers and not report.sites else None
