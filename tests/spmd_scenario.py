@@ -165,7 +165,7 @@ def main():
         return sum(p for p, _ in pairs), sum(w for _, w in pairs)
 
     site_tensors = [t for site in meta.sites for t in meta.stacked_weights(site, device)]
-    graph_tensors = {id(t): t for pair in meta._device_stacks.values() for t in pair if t is not None}
+    graph_tensors = {id(t): t for t in meta._device_stacks.values()}
     sp, sw = per_device(site_tensors)
     gp, gw = per_device(graph_tensors.values())
     out["bytes"] = {"site_stacks_per_device": sp, "site_stacks_whole": sw,

@@ -256,9 +256,9 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
         if req.kind == TOKEN_INDICES:
             extras.append(meta.token_indices(device, token_dims, padded_dims))
         elif req.kind == STACKED_A:
-            extras.append(meta.stacked_weights(req.site, device)[0])
+            extras.append(meta.stacked_a(req.site, device))
         elif req.kind == STACKED_B:
-            extras.append(meta.stacked_weights(req.site, device)[1])
+            extras.append(meta.stacked_b(req.site, device))
         elif req.kind == STACKED_BIAS:
             extras.append(meta.stacked_bias(req.site, device))
         elif req.kind in LAYOUT_KINDS:

@@ -68,7 +68,7 @@ class LoRAMetadata:
         self._sites: Dict[str, SiteSpec] = {}
         self._param_index: Dict[int, Tuple[str, str, str]] = {}
         self._host_stacks: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._device_stacks: Dict[Tuple[str, str], Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self._device_stacks: Dict[Tuple[str, str, str], torch.Tensor] = {}  # (site, role, device)
         self._host_bias: Dict[str, torch.Tensor] = {}
         self._mapping: Optional[torch.Tensor] = None
         self._index_cache: Dict[tuple, torch.Tensor] = {}
@@ -315,34 +315,51 @@ class LoRAMetadata:
         return self._host_stacks[site_name][0].shape[1]
 
     def stacked_weights(self, site_name: str, device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The site's stacked (A, B) on ``device``, transferred once and cached.
+        """The site's stacked (A, B) on ``device``, each transferred once and cached.
 
         ``site_name`` may join several sites with "+" (sites fused on one
         input): A is then their stacks concatenated along the rank dim, B None.
         """
-        key = (site_name, str(device))
+        single = GROUP_SEPARATOR not in site_name
+        return self.stacked_a(site_name, device), self.stacked_b(site_name, device) if single else None
+
+    def stacked_a(self, site_name: str, device) -> torch.Tensor:
+        """The site's (or fused group's) stacked A ``[N, R, in]`` on ``device``."""
+        return self._device_stack(site_name, "A", device)
+
+    def stacked_b(self, site_name: str, device) -> torch.Tensor:
+        """The site's stacked B ``[N, out, R]`` on ``device`` (scalings folded in)."""
+        return self._device_stack(site_name, "B", device)
+
+    def _device_stack(self, site_name: str, role: str, device) -> torch.Tensor:
+        # A and B are cached apart: a site in a fused group needs only its B on
+        # the device (its A travels inside the group's concatenated A).
+        key = (site_name, role, str(device))
         with self._lock:
             if key not in self._device_stacks:
                 names = site_name.split(GROUP_SEPARATOR)
-                if len(names) == 1:
-                    stack_a, stack_b = self._host_stacks[site_name]
-                    self._device_stacks[key] = (stack_a.to(device), stack_b.to(device))
+                if role == "B":
+                    host = self._host_stacks[site_name][1]
+                elif len(names) == 1:
+                    host = self._host_stacks[site_name][0]
                 else:
-                    fused = torch.cat([self._host_stacks[n][0] for n in names], dim=1)
-                    self._device_stacks[key] = (fused.to(device), None)
+                    host = torch.cat([self._host_stacks[n][0] for n in names], dim=1)
+                tensor = host.to(device)
                 if self._sharding is not None and torch.device(device).type == "xla":
-                    self._sharding.place_stacks(site_name, *self._device_stacks[key])
+                    self._sharding.place_stacks(site_name, tensor if role == "A" else None,
+                                                tensor if role == "B" else None)
+                self._device_stacks[key] = tensor
             return self._device_stacks[key]
 
     def stacked_bias(self, site_name: str, device) -> torch.Tensor:
         """The site's per-slot LoRA bias ``[N, out]`` (scaled) on ``device``."""
-        key = (site_name + "#bias", str(device))
+        key = (site_name, "bias", str(device))
         with self._lock:
             if key not in self._device_stacks:
-                self._device_stacks[key] = (self._host_bias[site_name].to(device), None)
+                self._device_stacks[key] = self._host_bias[site_name].to(device)
                 if self._sharding is not None and torch.device(device).type == "xla":
-                    self._sharding.place_bias(site_name, self._device_stacks[key][0])
-            return self._device_stacks[key][0]
+                    self._sharding.place_bias(site_name, self._device_stacks[key])
+            return self._device_stacks[key]
 
     def shard(self, mesh, layout=None, *, axis: Optional[str] = None):
         """Shard the stacked adapter buffers over a torch_xla SPMD ``mesh`` like their base weights.

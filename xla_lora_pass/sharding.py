@@ -197,12 +197,13 @@ class AdapterSharding:
     def bias_spec(self, site_name: str) -> tuple:
         return (None, self.axis) if self.layout(site_name) == COLUMN else (None, None)
 
-    def place_stacks(self, site_name: str, stack_a: torch.Tensor, stack_b: Optional[torch.Tensor]) -> None:
+    def place_stacks(self, site_name: str, stack_a: Optional[torch.Tensor], stack_b: Optional[torch.Tensor]) -> None:
         """Annotate a site's fresh device stacks (in place; the tensors keep their identity)."""
         import torch_xla.distributed.spmd as xs
 
         spec_a, spec_b = self.partition_specs(site_name)
-        xs.mark_sharding(stack_a, self.mesh, spec_a)
+        if stack_a is not None:
+            xs.mark_sharding(stack_a, self.mesh, spec_a)
         if stack_b is not None and spec_b is not None:
             xs.mark_sharding(stack_b, self.mesh, spec_b)
 
