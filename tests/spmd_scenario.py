@@ -195,6 +195,15 @@ def main():
     down = meta.stacked_weights(f"{layer}.mlp.down_proj", device)
     out["reload_specs"] = [torch_xla._XLAC._get_xla_sharding_spec(t) for t in down]
     out["compiles_total"] = meta.stats["compiles"]
+
+    # both=True: every stack split (A of column sites on in, B of row sites on out), same results.
+    meta.shard(mesh, both=True)
+    out["both_diff"] = run(ids, mixed(BATCH * SEQ))
+    both_specs = {site: [torch_xla._XLAC._get_xla_sharding_spec(t) for t in meta.stacked_weights(site, device)]
+                  for site in meta.sites}
+    out["both_all_split"] = all("devices=" in spec for specs_ in both_specs.values() for spec in specs_)
+    bp, bw = per_device([t for site in meta.sites for t in meta.stacked_weights(site, device)])
+    out["both_bytes"] = {"site_stacks_per_device": bp, "site_stacks_whole": bw}
     print(json.dumps(out))
 
 

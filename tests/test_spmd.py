@@ -73,6 +73,15 @@ def test_memory_per_device_matches_the_layout_arithmetic(scenario):
     assert scenario["bytes"]["site_stacks_per_device"] == per_device < whole
 
 
+def test_splitting_both_stacks_takes_a_quarter_per_device_and_stays_exact(scenario):
+    """meta.shard(mesh, both=True): every stack split 4 ways; results unchanged."""
+    assert scenario["both_diff"] < TOL
+    assert scenario["both_all_split"]
+    whole = scenario["both_bytes"]["site_stacks_whole"]
+    assert whole == scenario["bytes"]["site_stacks_whole"]
+    assert scenario["both_bytes"]["site_stacks_per_device"] == whole // 4
+
+
 def test_bucketing_is_unchanged_under_spmd(scenario):
     assert scenario["precompiled"] == 4  # first trace, size 1, buckets 8 and 16
     assert max(scenario["bucket_diffs"]) < TOL
@@ -106,10 +115,18 @@ def test_tile_dims_parses_xla_sharding_specs():
     assert tile_dims("{devices=[1,1,4]0,1,2,3 last_tile_dim_replicate}") is None
 
 
-def _fake(layout, sites=("l.q_proj", "l.k_proj", "l.o_proj")):
+def _fake(layout, sites=("l.q_proj", "l.k_proj", "l.o_proj"), both=False):
     meta = types.SimpleNamespace(sites={s: None for s in sites})
     mesh = types.SimpleNamespace(axis_names=("data", "model"), mesh_shape=(1, 4))
-    return AdapterSharding(meta, mesh, layout)
+    return AdapterSharding(meta, mesh, layout, both=both)
+
+
+def test_partition_specs_when_both_stacks_are_split():
+    sh = _fake(MEGATRON_LLAMA, both=True)
+    assert sh.partition_specs("l.q_proj") == ((None, None, "model"), (None, "model", None))
+    assert sh.partition_specs("l.o_proj") == ((None, None, "model"), (None, "model", None))
+    assert sh.partition_specs("l.q_proj+l.k_proj") == ((None, None, "model"), None)
+    assert sh.bias_spec("l.o_proj") == (None, "model")
 
 
 def test_partition_specs_per_layout():

@@ -361,20 +361,24 @@ class LoRAMetadata:
                     self._sharding.place_bias(site_name, self._device_stacks[key])
             return self._device_stacks[key]
 
-    def shard(self, mesh, layout=None, *, axis: Optional[str] = None):
+    def shard(self, mesh, layout=None, *, axis: Optional[str] = None, both: bool = False):
         """Shard the stacked adapter buffers over a torch_xla SPMD ``mesh`` like their base weights.
 
         Per site: ``column`` (base weight split on out: B split on out, A
         replicated), ``row`` (split on in: A split on in, B replicated) or
         ``replicated``, from ``layout`` (``{leaf module name or site: layout}``,
         e.g. ``sharding.MEGATRON_LLAMA``, or a callable) or else read off the
-        base weight's sharding spec.  Index buffers stay replicated.  Returns
+        base weight's sharding spec.  ``both=True`` also splits the stack the
+        layout leaves whole (A of a column site on its input dim, B of a row
+        site on its output dim): 1/devices of the memory, for one more
+        collective per site that the partitioner inserts.  Index buffers stay
+        replicated.  Returns
         the ``sharding.AdapterSharding``; ``shard(None)`` turns it off.
         docs/scale-out.md.
         """
         from .sharding import AdapterSharding
 
-        sharding = None if mesh is None else AdapterSharding(self, mesh, layout, axis)
+        sharding = None if mesh is None else AdapterSharding(self, mesh, layout, axis, both)
         with self._lock:
             self._sharding = sharding
             self._device_stacks.clear()  # the next call transfers annotated copies

@@ -104,7 +104,7 @@ def tile_dims(spec: str) -> Optional[Tuple[int, ...]]:
 class AdapterSharding:
     """Per-site layouts over one mesh, and the annotations they imply on the stacked buffers."""
 
-    def __init__(self, meta, mesh, layout: LayoutRule = None, axis: Optional[str] = None):
+    def __init__(self, meta, mesh, layout: LayoutRule = None, axis: Optional[str] = None, both: bool = False):
         names = tuple(mesh.axis_names) if mesh.axis_names is not None else tuple(range(len(mesh.mesh_shape)))
         if axis is None:
             sharded = [a for a, size in zip(names, mesh.mesh_shape) if size > 1]
@@ -119,6 +119,9 @@ class AdapterSharding:
         self.mesh = mesh
         self.axis = axis
         self.rule = layout
+        # both: also split the stack the base layout leaves whole (A of a column site on its input
+        # dim, B of a row site on its output dim): 1/devices of the memory, one more collective.
+        self.both = both
         self._layouts: Dict[str, str] = {}
 
     # ------------------------------------------------------------- layouts
@@ -187,15 +190,21 @@ class AdapterSharding:
         """Partition specs of the site's stacked (A, B); B None for a fused group (no B)."""
         names = site_name.split(GROUP_SEPARATOR)
         if len(names) > 1:
-            rows = all(self.layout(n) == ROW for n in names)
-            return (None, None, self.axis if rows else None), None
+            split = all(self._splits_a(self.layout(n)) for n in names)
+            return (None, None, self.axis if split else None), None
         layout = self.layout(site_name)
-        a = (None, None, self.axis) if layout == ROW else (None, None, None)
-        b = (None, self.axis, None) if layout == COLUMN else (None, None, None)
+        a = (None, None, self.axis) if self._splits_a(layout) else (None, None, None)
+        b = (None, self.axis, None) if self._splits_b(layout) else (None, None, None)
         return a, b
 
+    def _splits_a(self, layout: str) -> bool:
+        return layout == ROW or (self.both and layout == COLUMN)
+
+    def _splits_b(self, layout: str) -> bool:
+        return layout == COLUMN or (self.both and layout == ROW)
+
     def bias_spec(self, site_name: str) -> tuple:
-        return (None, self.axis) if self.layout(site_name) == COLUMN else (None, None)
+        return (None, self.axis) if self._splits_b(self.layout(site_name)) else (None, None)
 
     def place_stacks(self, site_name: str, stack_a: Optional[torch.Tensor], stack_b: Optional[torch.Tensor]) -> None:
         """Annotate a site's fresh device stacks (in place; the tensors keep their identity)."""
