@@ -27,9 +27,7 @@ log = logging.getLogger(__name__)
 def capture_graphs(fn, *args, **kwargs) -> List[Tuple[fx.GraphModule, list]]:
     """Every (GraphModule, example_inputs) Dynamo hands a backend for one call ``fn(*args, **kwargs)``.
 
-    For tools and golden tests that run the pass alone.  Dynamo is reset on
-    both sides: a cached graph, or one past the recompile limit, would never
-    reach the recording backend.
+    For tools and golden tests that run the pass alone (see ``compile_once``).
     """
     graphs = []
 
@@ -37,13 +35,22 @@ def capture_graphs(fn, *args, **kwargs) -> List[Tuple[fx.GraphModule, list]]:
         graphs.append((gm, list(example_inputs)))
         return gm.forward
 
+    compile_once(fn, record, *args, **kwargs)
+    return graphs
+
+
+def compile_once(fn, backend, *args, **kwargs) -> None:
+    """Call ``torch.compile(fn, backend=backend)`` once, without grad, from a fresh Dynamo.
+
+    Reset on both sides: a cached graph, or one past the recompile limit,
+    would never reach ``backend``.
+    """
     torch._dynamo.reset()
     try:
         with torch.no_grad():
-            torch.compile(fn, backend=record)(*args, **kwargs)
+            torch.compile(fn, backend=backend)(*args, **kwargs)
     finally:
         torch._dynamo.reset()
-    return graphs
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -137,4 +144,4 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) ->
     return new_gm, ctx.report
 
 
-__all__ = ["rewrite", "capture_graphs", "copy_graph_module", "annotate_lora_weights"]
+__all__ = ["rewrite", "capture_graphs", "compile_once", "copy_graph_module", "annotate_lora_weights"]

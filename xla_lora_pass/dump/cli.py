@@ -27,6 +27,8 @@ from graph_rewrites import RewriteReport
 
 from ..bucketing import Buckets
 from ..metadata import LoRAMetadata
+from ..rewrite import capture_graphs as capture
+from ..rewrite import compile_once
 from .views import GraphDump, render_dot, render_html, render_text
 
 # ------------------------------------------------------------ the CLI
@@ -73,21 +75,8 @@ def call_factory(factory: Callable) -> Tuple[torch.nn.Module, tuple, dict]:
                     f"got {type(inputs).__name__}")
 
 
-def _compile_once(model, args, kwargs, backend: Callable) -> None:
-    # Reset on both sides: a cached graph, or one past the recompile limit,
-    # would never reach the recording backend.
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            torch.compile(model, backend=backend)(*args, **kwargs)
-    finally:
-        torch._dynamo.reset()
-
-
 def capture_graphs(model, args: Sequence, kwargs: Dict) -> List[Tuple[fx.GraphModule, list]]:
     """Every (GraphModule, example_inputs) Dynamo hands a backend for one call of ``model``."""
-    from ..rewrite import capture_graphs as capture
-
     return capture(model, *args, **kwargs)
 
 
@@ -123,7 +112,7 @@ def dump_through_backend(model, args: Sequence, kwargs: Dict, meta: LoRAMetadata
         _uniform_mapping(meta, compiled.report)
         return compiled
 
-    _compile_once(model, args, kwargs, recording)
+    compile_once(model, recording, *args, **kwargs)
     return [GraphDump(i, gm, compiled.gm, compiled.report) for i, (gm, compiled) in enumerate(seen)]
 
 
