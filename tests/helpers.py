@@ -18,6 +18,18 @@ def capture_graphs(fn: Callable, *args, **kwargs):
     return xlp.capture_graphs(fn, *args, **kwargs)
 
 
+def compile_lora(model, device, max_num_tokens: int, **backend_kw):
+    """Move ``model`` to ``device``, register it with a new metadata, compile it with the backend.
+
+    Returns (meta, backend, compiled model); ``backend_kw`` go to ``make_backend``.
+    """
+    model.to(device)
+    meta = xlp.LoRAMetadata(max_num_tokens=max_num_tokens)
+    meta.register_adapters(model)
+    backend = xlp.make_backend(meta, **backend_kw)
+    return meta, backend, torch.compile(model, backend=backend)
+
+
 def normalize_gm(gm: fx.GraphModule) -> str:
     """The readable graph without source paths and line numbers, for golden files."""
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)

@@ -7,6 +7,7 @@ import torch
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import eager_reference, per_sequence_mapping, tiny_peft_llama
 
+from .helpers import compile_lora
 from .models import peft_two_layer
 from .xla_utils import xla_compiles
 
@@ -50,11 +51,7 @@ def test_stream_of_every_token_count_compiles_once_per_bucket(llama, xla_device)
     random.Random(0).shuffle(lengths)
     adapters = [names[i % 3] for i in range(len(lengths))]
     references = [eager_reference(model, ids[:, :n], [a]) for n, a in zip(lengths, adapters)]
-    model.to(xla_device)
-    meta = xlp.LoRAMetadata(max_num_tokens=512)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(min=8, max=512))
-    compiled = torch.compile(model, backend=backend)
+    meta, backend, compiled = compile_lora(model, xla_device, 512, buckets=xlp.Buckets.pow2(min=8, max=512))
     worst = 0.0
     for step, (n, adapter, ref) in enumerate(zip(lengths, adapters, references)):
         meta.set_token_adapters([adapter] * n)  # a new mapping every call
@@ -127,11 +124,7 @@ def test_batch_and_sequence_are_both_bucketed(xla_device):
     rows_for = {b: [names[i % 3] if i % 4 != 3 else None for i in range(b)] for b in range(1, 6)}
     inputs = {s: torch.randint(0, 128, s, generator=torch.Generator().manual_seed(sum(s))) for s in shapes}
     refs = {s: eager_reference(model, inputs[s], rows_for[s[0]]) for s in shapes}
-    model.to(xla_device)
-    meta = xlp.LoRAMetadata(max_num_tokens=256)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(8, 64))
-    compiled = torch.compile(model, backend=backend)
+    meta, backend, compiled = compile_lora(model, xla_device, 256, buckets=xlp.Buckets.pow2(8, 64))
     for s in shapes:
         meta.set_token_adapters(per_sequence_mapping(rows_for[s[0]], s[1]))
         with torch.no_grad():
@@ -166,11 +159,7 @@ def test_flattened_token_layout_is_bucketed(xla_device):
         refs[t] = torch.stack([
             model.inner(x[i:i + 1], adapter_names=["__base__" if r is None else r])[0] for i, r in enumerate(rows)
         ]).detach()
-    model.to(xla_device)
-    meta = xlp.LoRAMetadata(max_num_tokens=64)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(8, 64))
-    compiled = torch.compile(model, backend=backend)
+    meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 64))
     compiles_before = None
     for t, x in xs.items():
         meta.set_token_adapters(mappings[t])
@@ -206,11 +195,7 @@ def test_precompile_warms_every_bucket_then_serving_compiles_nothing(xla_device)
     torch._dynamo.reset()
     model, names = tiny_peft_llama(num_hidden_layers=1, seed=9)
     ids = torch.randint(0, 128, (1, 64))
-    model.to(xla_device)
-    meta = xlp.LoRAMetadata(max_num_tokens=64)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(8, 64))
-    compiled = torch.compile(model, backend=backend)
+    meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 64))
     warmed = backend.precompile(lambda n: compiled(input_ids=ids[:, :n].to(xla_device)), progress=False)
     assert warmed == meta.stats["compiles"] == 2 + 4  # first trace, size 1, buckets 8..64
     before = xla_compiles()

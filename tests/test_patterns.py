@@ -11,8 +11,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import tiny_llama_config
 
-from .helpers import (assert_golden, capture_graphs, check_rewrite, count_ops, count_shrinks, lora_weight_uses,
-                      normalize_gm)
+from .helpers import (assert_golden, capture_graphs, check_rewrite, compile_lora, count_ops, count_shrinks,
+                      lora_weight_uses, normalize_gm)
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
                  "lm_head"]
@@ -76,11 +76,7 @@ def test_every_lora_module_rewritten_on_xla(family, dtype, xla_device):
         # bf16 is judged against the fp32 truth (same weights, upcast); PEFT's own bf16 path
         # is itself about 1% off it, so two bf16 paths can differ by twice that.
         reference = _rows_reference(copy.deepcopy(model).float(), ids, rows)
-    model.to(xla_device)
-    meta = xlp.LoRAMetadata(max_num_tokens=128)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta)
-    compiled = torch.compile(model, backend=backend)
+    meta, backend, compiled = compile_lora(model, xla_device, 128)
     meta.set_token_adapters([r for r in rows for _ in range(7)])
     with torch.no_grad():
         out = compiled(input_ids=ids.to(xla_device)).logits.cpu()
@@ -217,11 +213,7 @@ def test_row_selection_from_the_end_is_rewritten_but_not_padded(xla_device):
     lengths = (5, 6, 9)
     inputs = {n: torch.randint(0, 128, (2, n), generator=torch.Generator().manual_seed(n)) for n in lengths}
     refs = {n: _rows_reference(model, inputs[n], ["chat", None], logits_to_keep=1) for n in lengths}
-    model.to(xla_device)
-    meta = xlp.LoRAMetadata(max_num_tokens=64)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(8, 32))
-    compiled = torch.compile(model, backend=backend)
+    meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 32))
     for n in lengths:
         _mapped(meta, ["chat", None], n)
         with torch.no_grad():
@@ -281,11 +273,7 @@ def test_blocked_kernel_on_xla_buckets_and_remaps_without_compiles(monkeypatch, 
     rows = ["sql", "chat", None, "code"]
     inputs = {n: torch.randint(0, 128, (4, n), generator=torch.Generator().manual_seed(n)) for n in (5, 7, 11)}
     refs = {(n, tuple(r)): _rows_reference(model, inputs[n], r) for n in inputs for r in (rows, rows[::-1])}
-    model.to(xla_device)
-    meta = xlp.LoRAMetadata(max_num_tokens=128)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(8, 32))
-    compiled = torch.compile(model, backend=backend)
+    meta, backend, compiled = compile_lora(model, xla_device, 128, buckets=xlp.Buckets.pow2(8, 32))
     for n in inputs:
         for r in (rows, rows[::-1]):
             _mapped(meta, r, n)
