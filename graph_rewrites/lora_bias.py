@@ -7,7 +7,9 @@ becomes pattern 1's shrink/expand plus ``bgmv_bias``: per-slot bias rows
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import functools
+
+from typing import Optional, Tuple
 
 import torch.fx as fx
 import torch.nn.functional as F
@@ -27,8 +29,9 @@ def _make_pattern(combine_fn):
     return lora_bias_pattern
 
 
-def lora_bias_patterns() -> List[fx.Graph]:
-    return [fx.symbolic_trace(_make_pattern(c)).graph for c in COMBINE_FORMS]
+@functools.lru_cache(maxsize=None)  # traced once per process; the matcher only reads them
+def lora_bias_patterns() -> Tuple[fx.Graph, ...]:
+    return tuple(fx.symbolic_trace(_make_pattern(c)).graph for c in COMBINE_FORMS)
 
 
 def near_miss_reason(m: LinearMatch) -> Optional[str]:

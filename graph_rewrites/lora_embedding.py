@@ -9,7 +9,9 @@ becomes
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import functools
+
+from typing import Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -31,9 +33,10 @@ def _make_pattern(combine_fn):
     return lora_embedding_pattern
 
 
-def lora_embedding_patterns() -> List[fx.Graph]:
+@functools.lru_cache(maxsize=None)  # traced once per process; the matcher only reads them
+def lora_embedding_patterns() -> Tuple[fx.Graph, ...]:
     """Traced forms (F.embedding stays one call with its default kwargs, as Dynamo records it)."""
-    return [fx.symbolic_trace(_make_pattern(c)).graph for c in COMBINE_FORMS]
+    return tuple(fx.symbolic_trace(_make_pattern(c)).graph for c in COMBINE_FORMS)
 
 
 _FORWARD_NEUTRAL = {"padding_idx", "norm_type", "scale_grad_by_freq", "sparse"}

@@ -15,10 +15,12 @@ selection applied to the index grid (``site_inputs.site_indices``).
 """
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import itertools
 import math
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -74,10 +76,11 @@ def _make_pattern(delta_fn: Callable, combine_fn: Callable) -> Callable:
     return lora_linear_pattern
 
 
-def lora_linear_patterns() -> List[fx.Graph]:
+@functools.lru_cache(maxsize=None)  # traced once per process; the matcher only reads them
+def lora_linear_patterns() -> Tuple[fx.Graph, ...]:
     """Every traced form of the pattern: the delta's matmul form x where the scale stands."""
-    return [fx.symbolic_trace(_make_pattern(d, c)).graph
-            for d, c in itertools.product(DELTA_FORMS, COMBINE_FORMS)]
+    return tuple(fx.symbolic_trace(_make_pattern(d, c)).graph
+                 for d, c in itertools.product(DELTA_FORMS, COMBINE_FORMS))
 
 
 @dataclasses.dataclass
@@ -201,7 +204,7 @@ def add_site_bias(graph, m: LinearMatch, ref: LoRAWeightRef, y2d, idx, device):
     return fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_bias.default, y2d, stacked, idx)
 
 
-def find_matches(gm: fx.GraphModule, patterns: List[fx.Graph]) -> List[LinearMatch]:
+def find_matches(gm: fx.GraphModule, patterns: Sequence[fx.Graph]) -> List[LinearMatch]:
     """Every non-overlapping match of any of ``patterns``, in graph order."""
     matches: List[LinearMatch] = []
     claimed = set()
