@@ -52,12 +52,12 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def run_child(script: str, args: Sequence[str], label: str) -> dict:
-    """Run ``script args`` in a fresh process (XLA's program cache and Dynamo's caches start empty);
-    return the JSON it prints on a line starting with ``ROW ``."""
+def run_child(script: str, args: Sequence[str], label: str, env: Dict[str, str] = None) -> dict:
+    """Run ``script args`` in a fresh process (XLA's program cache and Dynamo's caches start empty),
+    with ``env`` added to the environment; return the JSON it prints on a line starting with ``ROW ``."""
     cmd = [sys.executable, os.path.join(BENCH_DIR, script), *args]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise RuntimeError(f"{label}: {' '.join(cmd)} failed with exit code {proc.returncode}")

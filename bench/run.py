@@ -37,11 +37,13 @@ def step_tables(rows):
             rb, re_ = r["ratio_vs_base"], r["ratio_vs_eager"]
             base_ms = statistics.median(r["times"]["base, openxla"]) * 1e3
             table.append([r["tokens"], f"{base_ms:.1f}", summary(rb["merged 1 adapter, openxla"]),
-                          summary(rb["xla_lora"]), summary(rb["PEFT openxla, per adapter"]),
+                          summary(rb["xla_lora"]), summary(rb["xla_lora, masked kernel"]),
+                          summary(rb["xla_lora, mixed within sequences"]), summary(rb["PEFT openxla, per adapter"]),
                           summary(re_["PEFT eager mixed (CPU)"]), summary(rb["base eager (CPU)"])])
         out.append(f"**{n} adapter(s)** (16 sequences, sequence i on adapter i mod {n}); columns are time / "
                    "`base, openxla` except *PEFT eager mixed*, which is time / its own eager base:\n\n" +
-                   markdown_table(["tokens", "base openxla ms", "merged 1 adapter", "**xla_lora**",
+                   markdown_table(["tokens", "base openxla ms", "merged 1 adapter", "**xla_lora** (row kernel)",
+                                   "xla_lora, masked kernel", "xla_lora, adapters mixed within sequences",
                                    "PEFT openxla per adapter", "PEFT eager mixed / eager base",
                                    "eager base / base openxla"], table))
     return "\n\n".join(out)
@@ -152,6 +154,10 @@ def main(argv=None) -> int:
                            f"step time, {n} adapters") for n in adapters.split(",")]
     pass_rows = [run_child("pass_time.py", ["--layers", L, "--reps", str(max(reps, 3))], f"pass time, {L} layers")
                  for L in layers.split(",")]
+    # The same step with XLA:CPU's own (breadth-first) scheduler, which xla_lora_pass turns off on import.
+    default_sched = run_child("step_time.py", ["--adapters", "16", "--tokens", "512", "--reps", str(reps)],
+                              "step time, XLA's default scheduler",
+                              env={"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"})
     kernels = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "kernels.py"), "--reps", str(reps)],
                              capture_output=True, text=True, check=True).stdout.strip()
     print("  done: kernels", file=sys.stderr)
@@ -174,6 +180,10 @@ def main(argv=None) -> int:
         "vocab 4096, random weights; PEFT LoRA r=16 on every linear of the decoder layers (7 per layer). "
         "Steady-state steps only, each ending with `logits.cpu()`.\n\n" + step_tables(step_rows),
         "## Targets (16 adapters)\n\n" + targets + f"\n\nAll targets met: {'yes' if met else 'no'}.",
+        "## With XLA:CPU's default scheduler\n\nThe same 16-adapter step with "
+        "`XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=true` (XLA's default, which importing "
+        "xla_lora_pass turns off on the CPU; every configuration in this run has it, the base model "
+        "included):\n\n" + step_tables([default_sched]),
         "## The pass's own time against graph size\n\nSame model, 4 adapters, 128 tokens; 'first call' is Dynamo "
         "tracing + the pass + XLA compile + one step.\n\n" + ptable,
         "## BGMV forms on one linear (bench/kernels.py)\n\n" + kernels,

@@ -26,6 +26,8 @@ LAYOUT_ROW_TOKEN = "layout_row_token"
 LAYOUT_BLOCK_SLOT = "layout_block_slot"
 LAYOUT_TOKEN_ROW = "layout_token_row"
 LAYOUT_KINDS = (LAYOUT_ROW_TOKEN, LAYOUT_BLOCK_SLOT, LAYOUT_TOKEN_ROW)
+# The row kernel's per-step input: the slot of each row of the token grid (xla_lora_pass/ops_rows.py).
+ROW_SLOTS = "row_slots"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +51,7 @@ class LoRAWeightRef:
 class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
-    kind: str  # TOKEN_INDICES, STACKED_A, STACKED_B, STACKED_BIAS or one of LAYOUT_KINDS
+    kind: str  # TOKEN_INDICES, ROW_SLOTS, STACKED_A, STACKED_B, STACKED_BIAS or one of LAYOUT_KINDS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32

@@ -32,9 +32,10 @@ def _same_value_key(node: fx.Node) -> Tuple:
 
 
 def _shrink_groups(graph: fx.Graph) -> List[List[fx.Node]]:
-    """Shrinks (masked or blocked) whose arguments other than A are the same values."""
+    """Shrinks (masked, blocked or rows) whose arguments other than A are the same values."""
     groups: Dict[Tuple, List[fx.Node]] = collections.defaultdict(list)
-    for target in (torch.ops.xla_lora.bgmv_shrink.default, torch.ops.xla_lora.bgmv_shrink_blocked.default):
+    ops = torch.ops.xla_lora
+    for target in (ops.bgmv_shrink.default, ops.bgmv_shrink_blocked.default, ops.bgmv_shrink_rows.default):
         for node in graph.find_nodes(op="call_function", target=target):
             x2d, w, *rest = node.args
             request = w.meta.get(LORA_INPUT)

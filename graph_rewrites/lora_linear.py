@@ -30,7 +30,7 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 from . import fx_utils
 from .annotations import LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, LoRAWeightRef
 from .report import NearMiss, RewriteContext, SiteRewrite
-from .site_inputs import device_of, dims_key, site_block_layout, site_indices, stacked_input
+from .site_inputs import device_of, dims_key, site_block_layout, site_indices, site_row_slots, stacked_input
 
 PATTERN_NAME = "lora_linear"
 
@@ -153,35 +153,43 @@ def should_rewrite_lora_linear(m: LinearMatch) -> bool:
 def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext):
     """Insert the shrink/expand nodes before ``m.output``; returns (new output, None) or (None, reason).
 
-    Sites on the graph's token layout use the blocked kernel (its layout is
-    built once per step and shared); a row selection (``lm_head`` on the last
-    rows) or a LoRA bias reads the token indices.
+    Sites on the graph's token layout use the kernel ``ctx.kernel`` names
+    (row, blocked or masked); a row selection (``lm_head`` on the last rows)
+    reads the token indices, and so does a LoRA bias.
     """
     ref: LoRAWeightRef = m.weight
     device = device_of(m.x)
     with graph.inserting_before(m.output):
         x2d = fx_utils.call(graph, "call_method", "reshape", m.x, -1, ref.in_features)
-        layout = site_block_layout(graph, ctx, m.x, x2d, 1, device)
+        row_slots = site_row_slots(graph, ctx, m.x, 1, device)
+        layout = None if row_slots is not None else site_block_layout(graph, ctx, m.x, x2d, 1, device)
         idx = None
-        if layout is None or m.lora_bias is not None:
+        if (row_slots is None and layout is None) or m.lora_bias is not None:
             idx, reason = site_indices(graph, ctx, m.x, x2d, 1, device)
             if idx is None:
                 graph.erase_node(x2d)
                 return None, reason
         stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device)
-        if layout is not None:
-            shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink_blocked.default,
-                                   x2d, stacked_a, *layout, 1.0)
-            expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand_blocked.default,
-                                     shrunk, stacked_b, base2d, *layout, True)
-        else:
-            shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_shrink.default,
-                                   x2d, stacked_a, idx, 1.0)
-            expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand.default,
-                                     shrunk, stacked_b, base2d, idx, True)
+        shrunk, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, idx, layout, row_slots)
         expanded = add_site_bias(graph, m, ref, expanded, idx, device)
         out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
     return out, None
+
+
+def emit_shrink_expand(graph: fx.Graph, x2d, stacked_a, stacked_b, base2d, idx, layout, row_slots):
+    """The (shrink, expand) pair in the kernel the site's inputs select: rows, blocked or masked."""
+    ops = torch.ops.xla_lora
+    if row_slots is not None:
+        shrunk = fx_utils.call(graph, "call_function", ops.bgmv_shrink_rows.default, x2d, stacked_a, row_slots, 1.0)
+        return shrunk, fx_utils.call(graph, "call_function", ops.bgmv_expand_rows.default,
+                                     shrunk, stacked_b, base2d, row_slots, True)
+    if layout is not None:
+        shrunk = fx_utils.call(graph, "call_function", ops.bgmv_shrink_blocked.default, x2d, stacked_a, *layout, 1.0)
+        return shrunk, fx_utils.call(graph, "call_function", ops.bgmv_expand_blocked.default,
+                                     shrunk, stacked_b, base2d, *layout, True)
+    shrunk = fx_utils.call(graph, "call_function", ops.bgmv_shrink.default, x2d, stacked_a, idx, 1.0)
+    return shrunk, fx_utils.call(graph, "call_function", ops.bgmv_expand.default,
+                                 shrunk, stacked_b, base2d, idx, True)
 
 
 def stacks_and_base(graph: fx.Graph, m: LinearMatch, ref: LoRAWeightRef, device):

@@ -36,7 +36,11 @@ class RewriteContext:
     max_num_tokens: int
     report: "RewriteReport"
     token_layout: Optional[Tuple] = None  # example dims (int/SymInt) the mapping is laid out over
-    kernel: str = "masked"  # "masked": every slot's columns; "blocked": tokens sorted by slot into row blocks
+    # "auto": the row kernel where the site is on a [B, S] layout (the backend falls back to a "masked"
+    # rewrite for mappings that mix adapters within a row); "masked": every slot's columns;
+    # "blocked": tokens sorted by slot into row blocks.
+    kernel: str = "masked"
+    row_kernel_min_tokens: int = 8  # "auto" keeps the masked kernel for a static row length below this
     block_size: int = 32
     num_slots: int = 0  # for the blocked layout's block count
 

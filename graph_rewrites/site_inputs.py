@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .annotations import (LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT, TOKEN_INDICES,
-                          GraphInputRequest, LoRAWeightRef)
+from .annotations import (LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT, ROW_SLOTS,
+                          TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
 from .report import RewriteContext
 
 
@@ -178,6 +178,35 @@ def site_block_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, fla
     return (fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_ROW_TOKEN], 0, 0, rows),
             fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_BLOCK_SLOT], 0, 0, blocks),
             fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_TOKEN_ROW], 0, 0, count))
+
+
+def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feature_dims: int,
+                   device) -> Optional[fx.Node]:
+    """The row kernel's int32 ``[B]`` row slots for a site on the graph's token layout, else None.
+
+    A row is the innermost token dim (S of ``[B, S]``); B is the product of
+    the outer ones, read off ``tokens`` so it follows the bucket.  None when
+    the row kernel is off, the layout is flat (``[T]``: a row would be one
+    token, a per-token weight gather), rows are a static length under
+    ``ctx.row_kernel_min_tokens`` (Dynamo's size-1 graph for decoding), or
+    the site's tokens are not the layout's (a row selection keeps the token
+    indices).  The input is a ``[max_num_tokens]`` buffer the graph narrows to B.
+    """
+    shape = _shape(tokens)
+    layout = ctx.token_layout
+    if ctx.kernel != "auto" or shape is None or layout is None or len(layout) < 2:
+        return None
+    if not isinstance(layout[-1], torch.SymInt) and int(layout[-1]) < ctx.row_kernel_min_tokens:
+        return None
+    if dims_key(shape[: len(shape) - n_feature_dims]) != dims_key(layout):
+        return None
+    slots = fx_utils.get_or_add_input(graph, f"lora_{ROW_SLOTS}", GraphInputRequest(ROW_SLOTS, None,
+                                                                                   (ctx.max_num_tokens,)), device)
+    rows = fx_utils.call(graph, "call_method", "size", tokens, 0)
+    for d in range(1, len(layout) - 1):
+        rows = fx_utils.call(graph, "call_function", operator.mul, rows,
+                             fx_utils.call(graph, "call_method", "size", tokens, d))
+    return fx_utils.call(graph, "call_method", "narrow", slots, 0, 0, rows)
 
 
 def stacked_input(graph: fx.Graph, ref: LoRAWeightRef, kind: str, shape, device) -> fx.Node:

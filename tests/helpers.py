@@ -93,9 +93,12 @@ def check_rewrite(fn: Callable, args: Sequence, meta: xlp.LoRAMetadata, *, rewri
     graphs = capture_graphs(fn, *args)
     assert len(graphs) == 1, f"expected one Dynamo graph, got {len(graphs)}"
     gm, example_inputs = graphs[0]
-    new_gm, report = xlp.rewrite(gm, example_inputs, meta)
+    kernel = backend_kernel(meta, token_dims)
+    new_gm, report = xlp.rewrite(gm, example_inputs, meta, kernel=kernel)
     assert report.error is None, report.error
     assert report.counts() == rewrites, report.format()
+    if isinstance(ops, KernelCounts):
+        ops = ops.resolve(kernel, report)
     for target, n in ops.items():
         assert count_ops(new_gm, target) == n, f"{target}: {count_ops(new_gm, target)} != {n}\n{new_gm.code}"
     out = run_rewritten(new_gm, example_inputs, meta, token_dims)[output_index]
@@ -103,20 +106,46 @@ def check_rewrite(fn: Callable, args: Sequence, meta: xlp.LoRAMetadata, *, rewri
     return new_gm, report
 
 
-def shrink_expand_counts(shrink: int, expand: int) -> Dict:
-    """Op counts for ``check_rewrite`` in the kernel ``config.kernel`` selects (sites on the token layout)."""
-    if xlp.config.kernel == "blocked":
-        return {torch.ops.xla_lora.bgmv_shrink_blocked.default: shrink,
-                torch.ops.xla_lora.bgmv_expand_blocked.default: expand,
-                torch.ops.xla_lora.bgmv_shrink.default: 0, torch.ops.xla_lora.bgmv_expand.default: 0}
-    return {torch.ops.xla_lora.bgmv_shrink.default: shrink, torch.ops.xla_lora.bgmv_expand.default: expand,
-            torch.ops.xla_lora.bgmv_shrink_blocked.default: 0, torch.ops.xla_lora.bgmv_expand_blocked.default: 0}
+def backend_kernel(meta: xlp.LoRAMetadata, token_dims) -> str:
+    """The kernel the backend rewrites with for this mapping: config.kernel, or "masked" when
+    "auto" meets a mapping that is not one adapter per row."""
+    if xlp.config.kernel == "auto" and not meta.rows_uniform(tuple(token_dims)):
+        return "masked"
+    return xlp.config.kernel
+
+
+_SHRINK = {"masked": "bgmv_shrink", "blocked": "bgmv_shrink_blocked", "rows": "bgmv_shrink_rows"}
+_EXPAND = {"masked": "bgmv_expand", "blocked": "bgmv_expand_blocked", "rows": "bgmv_expand_rows"}
+
+
+class KernelCounts:
+    """Shrink/expand counts for the sites on the token layout, in whichever kernel the rewrite used."""
+
+    def __init__(self, shrink: int, expand: int):
+        self.shrink, self.expand = shrink, expand
+
+    def resolve(self, kernel: str, report) -> Dict:
+        if kernel == "auto":  # the row kernel needs rows: a [B, S] layout
+            layout = report.token_layout
+            kernel = "rows" if layout is not None and len(layout) >= 2 else "masked"
+        out = {}
+        for family in _SHRINK:
+            mine = family == kernel
+            out[getattr(torch.ops.xla_lora, _SHRINK[family]).default] = self.shrink if mine else 0
+            out[getattr(torch.ops.xla_lora, _EXPAND[family]).default] = self.expand if mine else 0
+        return out
+
+
+def shrink_expand_counts(shrink: int, expand: int) -> KernelCounts:
+    """Op counts for ``check_rewrite`` in the kernel the backend would use (sites on the token layout)."""
+    return KernelCounts(shrink, expand)
 
 
 def count_shrinks(gm: fx.GraphModule) -> int:
-    """Shrink calls of either kernel (masked or blocked)."""
+    """Shrink calls of any kernel (masked, blocked or rows)."""
     return (count_ops(gm, torch.ops.xla_lora.bgmv_shrink.default)
-            + count_ops(gm, torch.ops.xla_lora.bgmv_shrink_blocked.default))
+            + count_ops(gm, torch.ops.xla_lora.bgmv_shrink_blocked.default)
+            + count_ops(gm, torch.ops.xla_lora.bgmv_shrink_rows.default))
 
 
 def strip_ids(text: str) -> str:

@@ -30,8 +30,11 @@ def test_peft_linear_golden_and_numerics(update_golden):
     assert_golden("lora_linear_peft", normalize_gm(new_gm), update_golden)
 
 
-def test_mixed_per_token_mapping_matches_per_token_eager():
-    """Tokens of one row on different adapters: each token gets exactly its adapter's delta."""
+def test_mixed_per_token_mapping_matches_per_token_eager(update_golden):
+    """Tokens of one row on different adapters: each token gets exactly its adapter's delta.
+
+    The row kernel cannot run this mapping, so it goes through the masked kernel (golden file).
+    """
     model = peft_two_layer()
     meta = _meta(model)
     x = torch.randn(2, 4, 16)
@@ -47,8 +50,11 @@ def test_mixed_per_token_mapping_matches_per_token_eager():
     # proj is the only LoRA layer and tokens do not interact: row-wise selection is the truth.
     reference = torch.stack([per_adapter[m][i] for i, m in enumerate(mapping)]).reshape(2, 4, -1)
     meta.set_token_adapters(mapping)
-    check_rewrite(model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
-                  reference=reference, token_dims=(2, 4))
+    assert not meta.rows_uniform((2, 4))
+    new_gm, _ = check_rewrite(model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
+                              reference=reference, token_dims=(2, 4))
+    assert count_ops(new_gm, torch.ops.xla_lora.bgmv_shrink.default) == 1
+    assert_golden("lora_linear_masked", normalize_gm(new_gm), update_golden)
 
 
 def test_dropout_in_eval_mode_is_rewritten():

@@ -8,7 +8,8 @@
 """
 from __future__ import annotations
 
-from . import config, ops  # ops first: registers torch.ops.xla_lora
+from . import xla_cpu_flags  # first: XLA reads XLA_FLAGS when its runtime starts
+from . import config, ops  # ops before the passes: registers torch.ops.xla_lora
 from .backend import LoRABackend, make_backend
 from .errors import UnsupportedMappingError
 from .bucketing import Buckets

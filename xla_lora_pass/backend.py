@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport,
                             unrewritten_lora_weights)
-from graph_rewrites.annotations import LAYOUT_KINDS
+from graph_rewrites.annotations import LAYOUT_KINDS, ROW_SLOTS
 from graph_rewrites.site_inputs import find_token_layout
 
 from . import config
@@ -56,17 +56,25 @@ class LoRABackend:
         self.graphs: List["CompiledLoRAGraph"] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
-        new_gm, report = rewrite(gm, example_inputs, self.meta)
-        for pattern, n in report.counts().items():
+        compiled = self._rewrite_and_wrap(gm, example_inputs, config.kernel)
+        for pattern, n in compiled.report.counts().items():
             self.meta._count("rewrites", pattern, n)
-        if report.error:
+        if compiled.report.error:
             self.meta._count("fallbacks")
-        log.info("graph %d: %s", len(self.graphs), report.format())
+        self.graphs.append(compiled)
+        return compiled
+
+    def _rewrite_and_wrap(self, gm: fx.GraphModule, example_inputs: Sequence, kernel: str) -> "CompiledLoRAGraph":
+        new_gm, report = rewrite(gm, example_inputs, self.meta, kernel=kernel)
+        log.info("graph %d (%s kernel): %s", len(self.graphs), kernel, report.format())
         # Every compile: TORCH_TRACE artifacts always, files only when dump_dir is set.
         dump_graphs(config.dump_dir, gm, new_gm, report)
         compiled = CompiledLoRAGraph(self, new_gm, report, len(example_inputs),
                                      _inner_compiler(self.inner, example_inputs))
-        self.graphs.append(compiled)
+        if compiled.uses_rows:
+            # For mappings the row kernel cannot run: the same Dynamo graph rewritten with the masked
+            # kernel, made the first time one comes (Dynamo's graph is never edited, so it can be reread).
+            compiled.masked_source = (gm, list(example_inputs))
         return compiled
 
     def precompile(self, run: Callable[[int], Any], sizes: Optional[Iterable[int]] = None,
@@ -130,6 +138,9 @@ class CompiledLoRAGraph:
         # A graph with no rewritten site still has token dims: those of a LoRA layer left alone.
         self.leftover_layout = _leftover_token_layout(gm) if self.leftovers and not report.sites else None
         self.programs: Dict[tuple, Callable] = {}
+        self.uses_rows = any(r.kind == ROW_SLOTS for r in self.extra_requests)
+        self.masked_source = None  # (Dynamo's graph, example inputs) to rewrite with the masked kernel
+        self._masked: Optional["CompiledLoRAGraph"] = None
 
     # ---------------------------------------------------------------- checks
     def _check_mapping(self, token_dims) -> None:
@@ -179,6 +190,8 @@ class CompiledLoRAGraph:
         self._check_mapping(token_dims if token_dims is not None else self._leftover_token_dims(bindings))
         padded = self._padded_bindings(bindings)
         padded_dims = self.shapes.token_dims(padded)
+        if self.uses_rows and not self._rows_apply(token_dims, padded_dims):
+            return self.masked_variant()(*args)
         key = self._program_key(padded, padded_dims)
         call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
         device = _first_device(args)
@@ -192,6 +205,20 @@ class CompiledLoRAGraph:
             self.meta._count("padded_tokens", n=math.prod(padded_dims) - math.prod(token_dims))
         outs = program(*call_args, *extras)
         return self.shapes.slice_outputs(outs, bindings) if padded != bindings else outs
+
+    def _rows_apply(self, token_dims, padded_dims) -> bool:
+        """Whether this call may run the row kernel: one adapter per row, rows long enough."""
+        if padded_dims is None or padded_dims[-1] < config.row_kernel_min_tokens:
+            return False
+        return self.meta.is_warming_up or self.meta.rows_uniform(token_dims)
+
+    def masked_variant(self) -> "CompiledLoRAGraph":
+        """This graph rewritten with the masked kernel (built once, on first need)."""
+        if self._masked is None:
+            gm, example_inputs = self.masked_source
+            log.info("mapping not one adapter per row: rewriting the graph with the masked kernel too")
+            self._masked = self.backend._rewrite_and_wrap(gm, example_inputs, "masked")
+        return self._masked
 
     def _leftover_token_dims(self, bindings) -> Optional[tuple]:
         """This call's token dims read off a LoRA layer left alone (None if unknown); for the checks only."""
@@ -255,6 +282,8 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
     for req in requests:
         if req.kind == TOKEN_INDICES:
             extras.append(meta.token_indices(device, token_dims, padded_dims))
+        elif req.kind == ROW_SLOTS:
+            extras.append(meta.row_slots(device, token_dims, padded_dims))
         elif req.kind == STACKED_A:
             extras.append(meta.stacked_a(req.site, device))
         elif req.kind == STACKED_B:
@@ -281,4 +310,9 @@ def make_backend(meta: LoRAMetadata, buckets: Optional[Buckets] = None, inner: U
     if config.enable_automatic_dynamic_shapes and not torch._dynamo.config.automatic_dynamic_shapes:
         log.info("turning Dynamo's automatic_dynamic_shapes back on (torch_xla turns it off) for bucketing")
         torch._dynamo.config.automatic_dynamic_shapes = True
+    from .xla_cpu_flags import CPU_SCHEDULER_STATUS
+    if CPU_SCHEDULER_STATUS.startswith("too late"):
+        log.warning("XLA:CPU started before xla_lora_pass was imported, so it keeps its breadth-first scheduler, "
+                    "measured 1.4x slower on LoRA graphs here: import xla_lora_pass before the first "
+                    "torch_xla.device(), or set XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false")
     return LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets)

@@ -33,11 +33,22 @@ dump_dir = os.environ.get("XLA_LORA_DUMP_DIR") or None
 enable_automatic_dynamic_shapes = True
 
 # The BGMV kernel the pass emits for sites on the graph's token layout.
-# "masked" multiplies every token by every slot's weights and selects (no
-# layout input).  "blocked" sorts tokens by slot into 32-row blocks, with the
-# layout built once per step on the host and shared by every layer: 1/N of the
-# LoRA FLOPs, but a per-site weight gather.  Measured here (XLA on the CPU,
-# hidden 512, 4 layers, all-linear r=16, 16 adapters, 512 tokens, one run, 5
-# reps): masked 1.48x the base model, blocked 1.54x; on one 512x512 linear
-# blocked was faster (1.53x vs 2.08x).  docs/benchmarks.md has the tables.
-kernel = "masked"
+# "auto" (default): the row kernel (ops_rows.py) when the mapping gives each
+# row of the [B, S] token grid one adapter (one adapter per request, as PEFT's
+# adapter_names= and serving do) and rows hold at least row_kernel_min_tokens
+# padded tokens; otherwise the masked kernel, from a second rewrite of the same
+# graph made the first time such a call comes.  The row kernel gathers each
+# row's weights once and does only the LoRA's own FLOPs.
+# "masked" multiplies every token by every slot's weights and selects: one
+# program for any mapping, N times the LoRA FLOPs.
+# "blocked" sorts tokens by slot into 32-row blocks, with the layout built once
+# per step on the host: 1/N of the LoRA FLOPs, but per-block weight gathers
+# and token reordering.
+# Measured here (XLA on the CPU, hidden 512, 4 layers, all-linear r=16, 16
+# adapters, 512 tokens): docs/benchmarks.md.
+kernel = "auto"
+
+# "auto" uses the row kernel only for rows of at least this many (padded)
+# tokens: a row of one token (decoding) makes the row kernel a per-token
+# weight gather, where the masked kernel's extra FLOPs are cheaper.
+row_kernel_min_tokens = 8

@@ -71,7 +71,8 @@ class LoRAMetadata:
         self._device_stacks: Dict[Tuple[str, str, str], torch.Tensor] = {}  # (site, role, device)
         self._host_bias: Dict[str, torch.Tensor] = {}
         self._mapping: Optional[torch.Tensor] = None
-        self._index_cache: Dict[tuple, torch.Tensor] = {}
+        self._index_cache: Dict[tuple, torch.Tensor] = {}  # device index tensors per mapping and bucket
+        self._uniform_cache: Dict[tuple, bool] = {}  # rows_uniform per mapping and token dims
         self._lock = threading.Lock()
         self._hook_handles: list = []
         self._warming = False
@@ -137,7 +138,7 @@ class LoRAMetadata:
                 self._sharding.forget()
             # Slot numbers may now mean other adapters: an old mapping would pick the wrong ones.
             self._mapping = None
-            self._index_cache.clear()
+            self._drop_mapping_caches()
             self._install_eager_guards(sites)
         log.info("registered %d LoRA sites, slots %s", len(sites), self._slots)
         return list(names)
@@ -395,7 +396,7 @@ class LoRAMetadata:
         indices = self._to_indices(mapping)
         with self._lock:
             self._mapping = indices
-            self._index_cache.clear()
+            self._drop_mapping_caches()
 
     def _to_indices(self, mapping) -> torch.Tensor:
         if isinstance(mapping, torch.Tensor):
@@ -431,12 +432,12 @@ class LoRAMetadata:
     def warming_up(self):
         """Within: compiled graphs skip the mapping checks and every token is on the base model."""
         saved, self._mapping, self._warming = self._mapping, None, True
-        self._index_cache.clear()
+        self._drop_mapping_caches()
         try:
             yield self
         finally:
             self._mapping, self._warming = saved, False
-            self._index_cache.clear()
+            self._drop_mapping_caches()
 
     @property
     def is_warming_up(self) -> bool:
@@ -475,6 +476,53 @@ class LoRAMetadata:
         grid = torch.full(tuple(padded_dims), NO_LORA, dtype=torch.int32)
         grid[tuple(slice(0, d) for d in real_dims)] = mapping.reshape(tuple(real_dims))
         return grid.reshape(-1)
+
+    def _drop_mapping_caches(self) -> None:
+        """Everything derived from the mapping (or the slots) goes when it changes."""
+        self._index_cache.clear()
+        self._uniform_cache.clear()
+
+    def rows_uniform(self, real_dims: Tuple[int, ...]) -> bool:
+        """Whether the mapping is constant along each row (the innermost dim) of ``real_dims``.
+
+        True for one adapter per request, the row kernel's case; False for a
+        mapping that mixes adapters within a row (then the masked kernel
+        runs).  Computed once per mapping and token dims.
+        """
+        key = tuple(real_dims)
+        with self._lock:
+            cached = self._uniform_cache.get(key)
+            if cached is None:
+                mapping = self._mapping
+                if mapping is None or len(real_dims) < 2 or mapping.numel() != math.prod(real_dims):
+                    cached = mapping is None  # every token on the base model is uniform
+                else:
+                    grid = mapping.reshape(-1, real_dims[-1])
+                    cached = bool((grid == grid[:, :1]).all())
+                self._uniform_cache[key] = cached
+            return cached
+
+    def row_slots(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]) -> torch.Tensor:
+        """Device int32 ``[max_num_tokens]``: the slot of each row of the padded grid, -1 past the real rows.
+
+        Refused unless :meth:`rows_uniform` (a row kernel fed a mixed row
+        would give the whole row its first token's adapter); the graph
+        narrows it to the bucket's row count.
+        """
+        if not (self._warming or self.rows_uniform(real_dims)):
+            raise UnsupportedMappingError(
+                f"the mapping gives tokens of one row (token dims {list(real_dims)}) different adapters: a graph "
+                "rewritten with the row kernel cannot run it (the backend switches to the masked kernel; "
+                "rewrite(..., kernel='masked') does the same for a graph rewritten by hand)")
+        key = ("row_slots", str(device), tuple(real_dims), tuple(padded_dims))
+        with self._lock:
+            cached = self._index_cache.get(key)
+            if cached is None:
+                rows = self._padded_grid(real_dims, padded_dims).reshape(-1, padded_dims[-1])[:, 0]
+                host = torch.full((self.max_num_tokens,), NO_LORA, dtype=torch.int32)
+                host[: rows.numel()] = rows
+                cached = self._index_cache[key] = host.to(device)
+            return cached
 
     def block_layout(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]):
         """The blocked kernel's layout for this step (row_token, block_slot, token_row) on ``device``.

@@ -227,5 +227,5 @@ def _bgmv_bias_fake(y, bias, idx):
     return torch.empty_like(y)
 
 
-# The blocked kernels register torch.ops.xla_lora.bgmv_*_blocked alongside these.
-from . import ops_blocked  # noqa: E402,F401
+# The blocked and row kernels register torch.ops.xla_lora.bgmv_*_blocked / _rows alongside these.
+from . import ops_blocked, ops_rows  # noqa: E402,F401

@@ -23,6 +23,8 @@ from .metadata import LoRAMetadata
 
 log = logging.getLogger(__name__)
 
+KERNELS = ("auto", "masked", "blocked")
+
 
 def capture_graphs(fn, *args, **kwargs) -> List[Tuple[fx.GraphModule, list]]:
     """Every (GraphModule, example_inputs) Dynamo hands a backend for one call ``fn(*args, **kwargs)``.
@@ -121,12 +123,19 @@ def _report_leftovers(gm: fx.GraphModule, report: RewriteReport) -> None:
             report.near_misses.append(NearMiss(site, None, reason))
 
 
-def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> Tuple[fx.GraphModule, RewriteReport]:
-    """Rewrite every LoRA site of a copy of ``gm``; return the copy and the report."""
+def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata,
+            kernel: Optional[str] = None) -> Tuple[fx.GraphModule, RewriteReport]:
+    """Rewrite every LoRA site of a copy of ``gm``; return the copy and the report.
+
+    ``kernel``: "auto", "masked" or "blocked" (default ``config.kernel``).
+    """
+    kernel = config.kernel if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}: expected one of {KERNELS}")
     new_gm = copy_graph_module(gm)
     annotate_lora_weights(new_gm, example_inputs, meta)
-    ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=config.kernel,
-                         num_slots=meta.num_slots)
+    ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=kernel,
+                         num_slots=meta.num_slots, row_kernel_min_tokens=config.row_kernel_min_tokens)
     try:
         graph_rewrites.run_passes(new_gm, ctx, config.passes)
         if not ctx.report.sites:
