@@ -125,9 +125,11 @@ class KernelCounts:
         self.shrink, self.expand = shrink, expand
 
     def resolve(self, kernel: str, report) -> Dict:
-        if kernel == "auto":  # the row kernel needs rows: a [B, S] layout
+        if kernel == "auto":  # the row kernel needs rows: a [B, S] layout, S symbolic or long enough
             layout = report.token_layout
-            kernel = "rows" if layout is not None and len(layout) >= 2 else "masked"
+            rows = layout is not None and len(layout) >= 2 and (
+                isinstance(layout[-1], torch.SymInt) or int(layout[-1]) >= xlp.config.row_kernel_min_tokens)
+            kernel = "rows" if rows else "masked"
         out = {}
         for family in _SHRINK:
             mine = family == kernel

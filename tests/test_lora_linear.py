@@ -19,13 +19,14 @@ def _meta(model, **kw):
 def test_peft_linear_golden_and_numerics(update_golden):
     model = peft_two_layer()
     meta = _meta(model)
-    x = torch.randn(3, 5, 16)
+    x = torch.randn(3, 8, 16)  # rows of 8 tokens: the row kernel (config.row_kernel_min_tokens)
     rows = ["sql", None, "chat"]
-    meta.set_token_adapters([r for r in rows for _ in range(5)])
+    meta.set_token_adapters([r for r in rows for _ in range(8)])
     new_gm, report = check_rewrite(
         model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
-        reference=per_row_reference(model, x, rows), token_dims=(3, 5),
+        reference=per_row_reference(model, x, rows), token_dims=(3, 8),
     )
+    assert count_ops(new_gm, torch.ops.xla_lora.bgmv_shrink_rows.default) == 1
     assert lora_weight_uses(new_gm) == 0
     assert_golden("lora_linear_peft", normalize_gm(new_gm), update_golden)
 

@@ -54,6 +54,7 @@ class LoRABackend:
         self.batch_buckets = batch_buckets if batch_buckets is not None else Buckets.pow2(min=1, max=self.buckets.max)
         self.inner = inner
         self.graphs: List["CompiledLoRAGraph"] = []
+        self._warm_masked = False  # precompile: send calls to the masked rewrite of row-kernel graphs
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         compiled = self._rewrite_and_wrap(gm, example_inputs, config.kernel)
@@ -78,14 +79,16 @@ class LoRABackend:
         return compiled
 
     def precompile(self, run: Callable[[int], Any], sizes: Optional[Iterable[int]] = None,
-                   progress: bool = True) -> int:
+                   progress: bool = True, mixed_rows: bool = True) -> int:
         """Warm every bucket before serving; returns the number of programs compiled.
 
         ``run(n)`` must call the compiled model once with ``n`` tokens in the
         bucketed dim (e.g. ``lambda n: model(input_ids=ids[:, :n])``).  It is
         called for 2 and 1 first (Dynamo's first static trace and its size-1
         specialization), then for every bucket size, with every token on the
-        base model.
+        base model.  With ``mixed_rows`` (default) the masked kernel's
+        programs are warmed too, for mappings that mix adapters within a row;
+        ``mixed_rows=False`` when every request has one adapter halves the work.
         """
         sizes = list(sizes) if sizes is not None else [2, 1] + list(self.buckets)
         before = self.meta.stats["compiles"]
@@ -94,6 +97,12 @@ class LoRABackend:
             for n in sizes:
                 with torch.no_grad():
                     run(n)
+                    if mixed_rows and any(g.uses_rows for g in self.graphs):
+                        self._warm_masked = True
+                        try:
+                            run(n)
+                        finally:
+                            self._warm_masked = False
                 bar.step(f"{n} tokens")
         bar.close()
         return self.meta.stats["compiles"] - before
@@ -190,7 +199,7 @@ class CompiledLoRAGraph:
         self._check_mapping(token_dims if token_dims is not None else self._leftover_token_dims(bindings))
         padded = self._padded_bindings(bindings)
         padded_dims = self.shapes.token_dims(padded)
-        if self.uses_rows and not self._rows_apply(token_dims, padded_dims):
+        if self.uses_rows and (self.backend._warm_masked or not self._rows_apply(token_dims, padded_dims)):
             return self.masked_variant()(*args)
         key = self._program_key(padded, padded_dims)
         call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
