@@ -197,12 +197,15 @@ def test_precompile_warms_every_bucket_then_serving_compiles_nothing(xla_device)
     ids = torch.randint(0, 128, (1, 64))
     meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 64))
     warmed = backend.precompile(lambda n: compiled(input_ids=ids[:, :n].to(xla_device)), progress=False)
-    assert warmed == meta.stats["compiles"] == 2 + 4  # first trace, size 1, buckets 8..64
+    # First trace, size 1, then buckets 8..64 twice: the row kernel and the masked one (mixed rows).
+    assert warmed == meta.stats["compiles"] == 2 + 2 * 4
     before = xla_compiles()
-    for n in (5, 17, 64, 33, 1, 2, 9):
-        meta.set_token_adapters(["code"] * n)
+    for i, n in enumerate((5, 17, 64, 33, 1, 2, 9, 40)):
+        one_row_adapter = ["code"] * n
+        mixed_in_row = [("code", "sql")[j % 2] for j in range(n)]
+        meta.set_token_adapters(one_row_adapter if i % 2 else mixed_in_row)
         with torch.no_grad():
             compiled(input_ids=ids[:, :n].to(xla_device)).logits.cpu()
-    assert meta.stats["compiles"] == 6
+    assert meta.stats["compiles"] == 10
     # Only the output slices of new sizes remain (tiny programs, one per distinct size).
-    assert xla_compiles() - before <= 7
+    assert xla_compiles() - before <= 8
