@@ -10,7 +10,9 @@ every form compiled with plain ``openxla`` on the XLA CPU device:
 * blocked: base + ``ops_blocked.blocked_shrink`` / ``blocked_expand`` with the layout already on the
   device (the per-layer cost when one layout serves every layer of a step);
 * blocked + layout: the same, also building the layout on the host and copying it to the device
-  every call (the per-step cost, paid once per step however many layers there are).
+  every call (the per-step cost, paid once per step however many layers there are);
+* rows: base + ``bgmv_shrink_rows`` / ``bgmv_expand_rows`` (ops_rows.py, the default kernel) for the
+  per-request case: the tokens as 16 rows of T/16, row i on adapter i mod N.
 
 Each repetition runs every form in turn; the ratios are within one repetition.
 """
@@ -67,15 +69,27 @@ def main(argv=None) -> int:
         y = x @ w.t()
         return ops_blocked.blocked_expand(ops_blocked.blocked_shrink(x, a, lay), b, y, lay)
 
+    def rows(x, w, a, b, row_slots):
+        y = x @ w.t()
+        s = torch.ops.xla_lora.bgmv_shrink_rows(x, a, row_slots, 1.0)
+        return torch.ops.xla_lora.bgmv_expand_rows(s, b, y, row_slots, True)
+
+    row_slots_host = torch.arange(16, dtype=torch.int32) % n
+    row_slots = row_slots_host.to(dev)
+    c_rows = torch.compile(rows, backend="openxla")
     c_base = torch.compile(base, backend="openxla")
     c_masked = torch.compile(masked, backend="openxla")
     c_blocked = torch.compile(blocked, backend="openxla")
 
-    # Correctness first: both forms agree with each other.
+    # Correctness first: the forms agree with each other.
     with torch.no_grad():
         ref = c_masked(x, w, a, b, idx).cpu()
         got = c_blocked(x, w, a, b, *layout).cpu()
-    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
+    with torch.no_grad():
+        got_rows = c_rows(x, w, a, b, row_slots).cpu()
+        ref_rows = c_masked(x, w, a, b, row_slots_host.repeat_interleave(t // 16).to(dev)).cpu()
+        torch.testing.assert_close(got_rows, ref_rows, atol=1e-3, rtol=1e-4)
 
     def run(fn, *inputs):
         def call():
@@ -95,6 +109,7 @@ def main(argv=None) -> int:
         "masked (ops.py)": run(c_masked, x, w, a, b, idx),
         "blocked, layout on device": run(c_blocked, x, w, a, b, *layout),
         "blocked + host layout each call": blocked_with_layout,
+        "rows (ops_rows.py), one adapter per row of 16": run(c_rows, x, w, a, b, row_slots),
     }
     for fn in fns.values():  # warm up: compile and settle
         for _ in range(3):
