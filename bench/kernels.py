@@ -76,6 +76,7 @@ def main(argv=None) -> int:
 
     row_slots_host = torch.arange(16, dtype=torch.int32) % n
     row_slots = row_slots_host.to(dev)
+    a_t, b_t = a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()  # the row kernel's layout
     c_rows = torch.compile(rows, backend="openxla")
     c_base = torch.compile(base, backend="openxla")
     c_masked = torch.compile(masked, backend="openxla")
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
         got = c_blocked(x, w, a, b, *layout).cpu()
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
     with torch.no_grad():
-        got_rows = c_rows(x, w, a, b, row_slots).cpu()
+        got_rows = c_rows(x, w, a_t, b_t, row_slots).cpu()
         ref_rows = c_masked(x, w, a, b, row_slots_host.repeat_interleave(t // 16).to(dev)).cpu()
         torch.testing.assert_close(got_rows, ref_rows, atol=1e-3, rtol=1e-4)
 
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
         "masked (ops.py)": run(c_masked, x, w, a, b, idx),
         "blocked, layout on device": run(c_blocked, x, w, a, b, *layout),
         "blocked + host layout each call": blocked_with_layout,
-        "rows (ops_rows.py), one adapter per row of 16": run(c_rows, x, w, a, b, row_slots),
+        "rows (ops_rows.py), one adapter per row of 16": run(c_rows, x, w, a_t, b_t, row_slots),
     }
     for fn in fns.values():  # warm up: compile and settle
         for _ in range(3):

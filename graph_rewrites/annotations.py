@@ -20,6 +20,10 @@ LORA_INPUT = "xla_lora_input"
 TOKEN_INDICES = "token_indices"
 STACKED_A = "stacked_a"
 STACKED_B = "stacked_b"
+# The same stacks with their last two dims swapped ([N, in, R] and [N, R, out]), for the row kernel:
+# its batched matmuls then read each gathered slot's weights in the layout they multiply in.
+STACKED_A_T = "stacked_a_t"
+STACKED_B_T = "stacked_b_t"
 STACKED_BIAS = "stacked_bias"
 # The blocked kernel's per-step layout (xla_lora_pass/ops_blocked.py), shared by every site.
 LAYOUT_ROW_TOKEN = "layout_row_token"
@@ -51,7 +55,7 @@ class LoRAWeightRef:
 class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
-    kind: str  # TOKEN_INDICES, ROW_SLOTS, STACKED_A, STACKED_B, STACKED_BIAS or one of LAYOUT_KINDS
+    kind: str  # TOKEN_INDICES, ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS or one of LAYOUT_KINDS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .annotations import LORA_INPUT, STACKED_A, GraphInputRequest
+from .annotations import LORA_INPUT, STACKED_A, STACKED_A_T, GraphInputRequest
 from .report import RewriteContext
 
 PATTERN_NAME = "fuse_shared_shrink"
@@ -39,7 +39,7 @@ def _shrink_groups(graph: fx.Graph) -> List[List[fx.Node]]:
         for node in graph.find_nodes(op="call_function", target=target):
             x2d, w, *rest = node.args
             request = w.meta.get(LORA_INPUT)
-            if request is None or request.kind != STACKED_A:
+            if request is None or request.kind not in (STACKED_A, STACKED_A_T):
                 continue
             key = (target, _same_value_key(x2d), request.dtype,
                    tuple(_same_value_key(a) if isinstance(a, fx.Node) else a for a in rest))
@@ -56,10 +56,13 @@ def fuse_shared_shrinks(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
         group.sort(key=order.get)
         first = group[0]
         requests = [n.args[1].meta[LORA_INPUT] for n in group]
-        ranks = [r.shape[1] for r in requests]
-        fused_request = GraphInputRequest(
-            STACKED_A, GROUP_SEPARATOR.join(r.site for r in requests),
-            (requests[0].shape[0], sum(ranks), requests[0].shape[2]), requests[0].dtype)
+        kind = requests[0].kind
+        rank_dim = 2 if kind == STACKED_A_T else 1  # the row kernel's A is [N, in, R]
+        ranks = [r.shape[rank_dim] for r in requests]
+        shape = list(requests[0].shape)
+        shape[rank_dim] = sum(ranks)
+        fused_request = GraphInputRequest(kind, GROUP_SEPARATOR.join(r.site for r in requests), tuple(shape),
+                                          requests[0].dtype)
         device = fx_utils.example_value(first).device
         fused_w = fx_utils.get_or_add_input(graph, f"lora_a_fused_{ctx.report.shrinks_fused}", fused_request,
                                             device)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 from . import fx_utils
-from .annotations import LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, LoRAWeightRef
+from .annotations import LORA_WEIGHT, STACKED_A, STACKED_A_T, STACKED_B, STACKED_B_T, STACKED_BIAS, LoRAWeightRef
 from .report import NearMiss, RewriteContext, SiteRewrite
 from .site_inputs import device_of, dims_key, site_block_layout, site_indices, site_row_slots, stacked_input
 
@@ -169,7 +169,7 @@ def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext
             if idx is None:
                 graph.erase_node(x2d)
                 return None, reason
-        stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device)
+        stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device, transposed=row_slots is not None)
         shrunk, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, idx, layout, row_slots)
         expanded = add_site_bias(graph, m, ref, expanded, idx, device)
         out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
@@ -192,10 +192,18 @@ def emit_shrink_expand(graph: fx.Graph, x2d, stacked_a, stacked_b, base2d, idx, 
                                  shrunk, stacked_b, base2d, idx, True)
 
 
-def stacks_and_base(graph: fx.Graph, m: LinearMatch, ref: LoRAWeightRef, device):
-    """The site's stacked A and B inputs, and the base output as ``[T, out]`` in the output's dtype."""
-    stacked_a = stacked_input(graph, ref, STACKED_A, (ref.num_slots, ref.stacked_rank, ref.in_features), device)
-    stacked_b = stacked_input(graph, ref, STACKED_B, (ref.num_slots, ref.out_features, ref.stacked_rank), device)
+def stacks_and_base(graph: fx.Graph, m: LinearMatch, ref: LoRAWeightRef, device, transposed: bool = False):
+    """The site's stacked A and B inputs, and the base output as ``[T, out]`` in the output's dtype.
+
+    ``transposed``: the row kernel's ``[N, in, R]`` / ``[N, R, out]`` stacks instead.
+    """
+    n, r = ref.num_slots, ref.stacked_rank
+    if transposed:
+        stacked_a = stacked_input(graph, ref, STACKED_A_T, (n, ref.in_features, r), device)
+        stacked_b = stacked_input(graph, ref, STACKED_B_T, (n, r, ref.out_features), device)
+    else:
+        stacked_a = stacked_input(graph, ref, STACKED_A, (n, r, ref.in_features), device)
+        stacked_b = stacked_input(graph, ref, STACKED_B, (n, ref.out_features, r), device)
     base2d = fx_utils.call(graph, "call_method", "reshape", m.base, -1, ref.out_features)
     out_dtype = fx_utils.example_value(m.output).dtype
     if fx_utils.example_value(m.base).dtype != out_dtype:

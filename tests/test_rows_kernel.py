@@ -26,21 +26,25 @@ def _row_case(rows_slots, length, num_slots=3, rank=4, d=16, o=12, dtype=torch.f
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_row_ops_equal_the_per_token_reference(dtype, tol):
     x, a, b, y, row_slots, idx = _row_case([2, -1, 0, 2, 1], length=6, dtype=dtype)
-    got_t = torch.ops.xla_lora.bgmv_shrink_rows(x, a, row_slots, 0.5)
+    a_t, b_t = a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()  # the row kernel's layout
+    got_t = torch.ops.xla_lora.bgmv_shrink_rows(x, a_t, row_slots, 0.5)
     want_t = ops.bgmv_shrink_reference(x, a, idx, 0.5)
     torch.testing.assert_close(got_t.float(), want_t.float(), atol=tol, rtol=tol)
-    got = torch.ops.xla_lora.bgmv_expand_rows(got_t, b, y, row_slots, True)
+    got = torch.ops.xla_lora.bgmv_expand_rows(got_t, b_t, y, row_slots, True)
     want = ops.bgmv_expand_reference(want_t, b, y, idx, True)
     torch.testing.assert_close(got.float(), want.float(), atol=tol * 10, rtol=tol)
     assert torch.equal(got[6:12], y[6:12])  # the -1 row: exactly the base output
-    delta = torch.ops.xla_lora.bgmv_expand_rows(got_t, b, y, row_slots, False)
+    delta = torch.ops.xla_lora.bgmv_expand_rows(got_t, b_t, y, row_slots, False)
     torch.testing.assert_close((y + delta).float(), got.float(), atol=tol, rtol=tol)
 
 
 def test_row_ops_refuse_tokens_that_do_not_split_into_rows():
     x, a, b, y, row_slots, _ = _row_case([0, 1, 2], length=4)
+    a_t = a.transpose(1, 2).contiguous()
     with pytest.raises(RuntimeError, match="do not split into 3 equal rows"):
-        torch.ops.xla_lora.bgmv_shrink_rows(x[:11], a, row_slots, 1.0)
+        torch.ops.xla_lora.bgmv_shrink_rows(x[:11], a_t, row_slots, 1.0)
+    with pytest.raises(RuntimeError, match="x has 16 features, w expects 4"):
+        torch.ops.xla_lora.bgmv_shrink_rows(x, a, row_slots, 1.0)  # the [N, R, D] layout: refused
 
 
 def test_metadata_refuses_row_slots_for_a_mapping_mixed_within_rows():

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport,
                             unrewritten_lora_weights)
-from graph_rewrites.annotations import LAYOUT_KINDS, ROW_SLOTS
+from graph_rewrites.annotations import LAYOUT_KINDS, ROW_SLOTS, STACKED_A_T, STACKED_B_T
 from graph_rewrites.site_inputs import find_token_layout
 
 from . import config
@@ -295,6 +295,10 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
             extras.append(meta.row_slots(device, token_dims, padded_dims))
         elif req.kind == STACKED_A:
             extras.append(meta.stacked_a(req.site, device))
+        elif req.kind == STACKED_A_T:
+            extras.append(meta.stacked_a(req.site, device, transposed=True))
+        elif req.kind == STACKED_B_T:
+            extras.append(meta.stacked_b(req.site, device, transposed=True))
         elif req.kind == STACKED_B:
             extras.append(meta.stacked_b(req.site, device))
         elif req.kind == STACKED_BIAS:

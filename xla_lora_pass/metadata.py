@@ -324,18 +324,19 @@ class LoRAMetadata:
         single = GROUP_SEPARATOR not in site_name
         return self.stacked_a(site_name, device), self.stacked_b(site_name, device) if single else None
 
-    def stacked_a(self, site_name: str, device) -> torch.Tensor:
-        """The site's (or fused group's) stacked A ``[N, R, in]`` on ``device``."""
-        return self._device_stack(site_name, "A", device)
+    def stacked_a(self, site_name: str, device, transposed: bool = False) -> torch.Tensor:
+        """The site's (or fused group's) stacked A ``[N, R, in]`` on ``device`` (``[N, in, R]`` if transposed)."""
+        return self._device_stack(site_name, "A", device, transposed)
 
-    def stacked_b(self, site_name: str, device) -> torch.Tensor:
-        """The site's stacked B ``[N, out, R]`` on ``device`` (scalings folded in)."""
-        return self._device_stack(site_name, "B", device)
+    def stacked_b(self, site_name: str, device, transposed: bool = False) -> torch.Tensor:
+        """The site's stacked B ``[N, out, R]`` on ``device`` (``[N, R, out]`` if transposed), scalings folded in."""
+        return self._device_stack(site_name, "B", device, transposed)
 
-    def _device_stack(self, site_name: str, role: str, device) -> torch.Tensor:
+    def _device_stack(self, site_name: str, role: str, device, transposed: bool = False) -> torch.Tensor:
         # A and B are cached apart: a site in a fused group needs only its B on
-        # the device (its A travels inside the group's concatenated A).
-        key = (site_name, role, str(device))
+        # the device (its A travels inside the group's concatenated A).  The
+        # transposed copies are the row kernel's (made only if a graph uses it).
+        key = (site_name, role + ("_T" if transposed else ""), str(device))
         with self._lock:
             if key not in self._device_stacks:
                 names = site_name.split(GROUP_SEPARATOR)
@@ -345,10 +346,12 @@ class LoRAMetadata:
                     host = self._host_stacks[site_name][0]
                 else:
                     host = torch.cat([self._host_stacks[n][0] for n in names], dim=1)
+                if transposed:
+                    host = host.transpose(1, 2).contiguous()
                 tensor = host.to(device)
                 if self._sharding is not None and torch.device(device).type == "xla":
                     self._sharding.place_stacks(site_name, tensor if role == "A" else None,
-                                                tensor if role == "B" else None)
+                                                tensor if role == "B" else None, transposed=transposed)
                 self._device_stacks[key] = tensor
             return self._device_stacks[key]
 

@@ -206,11 +206,18 @@ class AdapterSharding:
     def bias_spec(self, site_name: str) -> tuple:
         return (None, self.axis) if self._splits_b(self.layout(site_name)) else (None, None)
 
-    def place_stacks(self, site_name: str, stack_a: Optional[torch.Tensor], stack_b: Optional[torch.Tensor]) -> None:
-        """Annotate a site's fresh device stacks (in place; the tensors keep their identity)."""
+    def place_stacks(self, site_name: str, stack_a: Optional[torch.Tensor], stack_b: Optional[torch.Tensor],
+                     transposed: bool = False) -> None:
+        """Annotate a site's fresh device stacks (in place; the tensors keep their identity).
+
+        ``transposed``: the row kernel's copies, last two dims swapped, so their specs are too.
+        """
         import torch_xla.distributed.spmd as xs
 
         spec_a, spec_b = self.partition_specs(site_name)
+        if transposed:
+            spec_a = None if spec_a is None else (*spec_a[:-2], spec_a[-1], spec_a[-2])
+            spec_b = None if spec_b is None else (*spec_b[:-2], spec_b[-1], spec_b[-2])
         if stack_a is not None:
             xs.mark_sharding(stack_a, self.mesh, spec_a)
         if stack_b is not None and spec_b is not None:
