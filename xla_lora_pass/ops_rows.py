@@ -43,21 +43,26 @@ def _check(name: str, x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor)
     )
 
 
+def _zero_unused_rows(rows: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[B, L, F]`` with the rows whose slot is -1 set to zero (where, so a NaN stays put)."""
+    return torch.where((row_slots >= 0).view(-1, 1, 1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
 def _rows(x: torch.Tensor, row_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as ``[B, L, F]`` in ``dtype``, zero on the rows whose slot is -1."""
-    rows = x.to(dtype).reshape(row_slots.shape[0], -1, x.shape[1])
-    return torch.where((row_slots >= 0).view(-1, 1, 1), rows, torch.zeros((), dtype=dtype, device=x.device))
+    """x ``[B * L, F]`` as ``[B, L, F]`` in ``dtype``."""
+    return x.to(dtype).reshape(row_slots.shape[0], -1, x.shape[1])
 
 
 def _row_weights(w: torch.Tensor, row_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each row's slot's weights ``[B, in, out]`` (slot 0's for -1 rows, whose input is zero)."""
+    """Each row's slot's weights ``[B, in, out]`` (slot 0's for -1 rows, zeroed around the matmul)."""
     return w.index_select(0, row_slots.clamp(min=0).long()).to(dtype)
 
 
 def rows_shrink(x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``[T, R] = scale * x @ w[slot of the token's row]`` for w ``[N, D, R]``; zero on rows with slot -1."""
     dtype = _compute_dtype(w)
-    out = torch.bmm(_rows(x, row_slots, dtype), _row_weights(w, row_slots, dtype))
+    # -1 rows zeroed on the [B, L, R] output, not the [B, L, D] input: a pass over R columns, not D.
+    out = _zero_unused_rows(torch.bmm(_rows(x, row_slots, dtype), _row_weights(w, row_slots, dtype)), row_slots)
     out = out.reshape(x.shape[0], w.shape[2])
     return out * scale if scale != 1.0 else out
 
@@ -65,7 +70,8 @@ def rows_shrink(x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor, scale
 def rows_expand_delta(x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
     """``[T, O] = x @ w[slot of the token's row]`` for w ``[N, R, O]``; zero on rows with slot -1."""
     dtype = _compute_dtype(w)
-    delta = torch.bmm(_rows(x, row_slots, dtype), _row_weights(w, row_slots, dtype))
+    # -1 rows zeroed on the [B, L, R] input, not the [B, L, O] output.
+    delta = torch.bmm(_zero_unused_rows(_rows(x, row_slots, dtype), row_slots), _row_weights(w, row_slots, dtype))
     return delta.reshape(x.shape[0], w.shape[2])
 
 
