@@ -100,6 +100,19 @@ def test_per_row_mapping_runs_the_row_kernel_and_matches_eager(served):
     got = _logits(s, 16)
     assert (got - eager_reference(s["cpu"], s["ids"][:, :16], rotated)).abs().max().item() < 1e-4
     assert xla_compiles() == before
+    # An adapter loaded into the free slot reaches the row kernel's (transposed) stacks; nothing compiles.
+    q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+    g = torch.Generator().manual_seed(11)
+    state = {f"{q0}.lora_A.weight": torch.randn(3, 32, generator=g),
+             f"{q0}.lora_B.weight": torch.randn(32, 3, generator=g)}
+    assert s["meta"].load_adapter("fresh", state, scaling=1.5) == 3
+    s["meta"].set_token_adapters(per_sequence_mapping([None, None, "fresh", None], 16))
+    with_fresh = _logits(s, 16)
+    s["meta"].set_token_adapters(per_sequence_mapping([None] * 4, 16))
+    base = _logits(s, 16)
+    assert xla_compiles() == before
+    assert torch.equal(with_fresh[[0, 1, 3]], base[[0, 1, 3]])
+    assert (with_fresh[2] - base[2]).abs().max().item() > 1e-3
 
 
 def test_mapping_mixed_within_rows_switches_to_the_masked_kernel_once(served):

@@ -50,5 +50,6 @@ kernel = "auto"
 
 # "auto" uses the row kernel only for rows of at least this many (padded)
 # tokens: a row of one token (decoding) makes the row kernel a per-token
-# weight gather, where the masked kernel's extra FLOPs are cheaper.
-row_kernel_min_tokens = 8
+# weight gather, where the masked kernel's extra FLOPs are cheaper.  Rows of 4
+# already pay (16 adapters, 16 sequences of 4 tokens: docs/benchmarks.md).
+row_kernel_min_tokens = 2

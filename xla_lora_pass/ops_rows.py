@@ -19,7 +19,7 @@ once (``[B, R, D]`` and ``[B, O, R]``) and multiplies its L tokens by them in
 one batched matmul: ``T * R * (D + O)`` FLOPs, the LoRA's own, against
 ``T * N * R * (D + O)`` for the masked form (every slot's columns for every
 token) and no token reordering, unlike the blocked form.  Measured here (XLA
-on the CPU, docs/benchmarks.md): 1.1-1.2x the base model where masked is 1.4-1.5x.
+on the CPU, docs/benchmarks.md): 1.08-1.22x the base model where masked is 1.37-1.53x.
 """
 from __future__ import annotations
 
