@@ -87,7 +87,6 @@ def main(argv=None) -> int:
         ref = c_masked(x, w, a, b, idx).cpu()
         got = c_blocked(x, w, a, b, *layout).cpu()
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
-    with torch.no_grad():
         got_rows = c_rows(x, w, a_t, b_t, row_slots).cpu()
         ref_rows = c_masked(x, w, a, b, row_slots_host.repeat_interleave(t // 16).to(dev)).cpu()
         torch.testing.assert_close(got_rows, ref_rows, atol=1e-3, rtol=1e-4)

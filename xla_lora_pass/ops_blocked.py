@@ -33,6 +33,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+# ops.py imports this module at its end, after defining the shared helper.
+from .ops import _compute_dtype
+
 __all__ = ["BLOCK_SIZE", "BlockedLayout", "num_blocks", "build_layout", "blocked_shrink", "blocked_expand",
            "bgmv_shrink_blocked", "bgmv_expand_blocked", "padded_layout"]
 
@@ -84,9 +87,6 @@ def build_layout(idx, num_slots: int, block_size: int = BLOCK_SIZE) -> BlockedLa
     token_row[sorted_tokens] = padded
     return BlockedLayout(torch.from_numpy(row_token), torch.from_numpy(block_slot), torch.from_numpy(token_row))
 
-
-def _compute_dtype(w: torch.Tensor) -> torch.dtype:
-    return torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
 
 
 def _to_blocks(x: torch.Tensor, layout: BlockedLayout) -> torch.Tensor:

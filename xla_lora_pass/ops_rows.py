@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import torch
 
+# ops.py imports this module at its end, after defining the shared helper.
+from .ops import _compute_dtype
+
 __all__ = ["bgmv_shrink_rows", "bgmv_expand_rows", "rows_shrink", "rows_expand_delta"]
 
-
-def _compute_dtype(w: torch.Tensor) -> torch.dtype:
-    return torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
 
 
 def _check(name: str, x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor) -> None:
