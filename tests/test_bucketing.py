@@ -169,9 +169,41 @@ def test_flattened_token_layout_is_bucketed(xla_device):
         if t == 9:
             compiles_before = xla_compiles()
     [dynamic] = [g for g in backend.graphs if g.shapes.padded_symbols]
-    assert set(dynamic.programs) == {(8,), (16,), (32,)}
+    assert {tuple(v for _, v in key) for key in dynamic.programs} == {(8,), (16,), (32,)}
     assert meta.stats["compiles"] == 4  # one static first trace + three buckets
     assert compiles_before is not None
+
+
+class _WithMemory(torch.nn.Module):
+    """A LoRA projection of the tokens plus a summary of a second input of its own length (an encoder's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = peft_two_layer()
+
+    def forward(self, x, memory):
+        return self.inner(x) + memory.mean(dim=1, keepdim=True)[..., :4]
+
+
+def test_a_size_other_than_the_token_dims_gets_its_own_program(xla_device):
+    """Programs are keyed by every size symbol: the same token bucket with another memory length
+    must never reuse the program compiled for the first length (it would crash or be wrong)."""
+    torch._dynamo.reset()
+    model = _WithMemory().eval()
+    gen = torch.Generator().manual_seed(0)
+    calls = [(5, 3), (6, 3), (5, 4), (5, 5), (7, 4)]  # (tokens, memory length): K turns dynamic at (5, 4)
+    inputs = [(torch.randn(1, s, 16, generator=gen), torch.randn(1, k, 16, generator=gen)) for s, k in calls]
+    with torch.no_grad():
+        refs = [model(x, m) for x, m in inputs]
+    meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 64))
+    for (x, m), ref in zip(inputs, refs):
+        meta.set_token_adapters(["sql"] * x.shape[1])
+        with torch.no_grad():
+            out = compiled(x.to(xla_device), m.to(xla_device)).cpu()
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    # Static first trace, then S dynamic (one bucket), then S and K dynamic: bucket 8 with K = 4 and 5.
+    assert [len(g.programs) for g in backend.graphs] == [1, 1, 2]
+    assert meta.stats["compiles"] == 4
 
 
 def test_padding_by_hand_changes_no_real_token(llama):

@@ -201,14 +201,16 @@ class CompiledLoRAGraph:
         padded_dims = self.shapes.token_dims(padded)
         if self.uses_rows and (self.backend._warm_masked or not self._rows_apply(token_dims, padded_dims)):
             return self.masked_variant()(*args)
-        key = self._program_key(padded, padded_dims)
+        key = self._program_key(padded)
         call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
         device = _first_device(args)
         extras = self._extra_inputs(device, token_dims, padded_dims)
         program = self.programs.get(key)
         if program is None:
             program = self._compile(key, call_args + extras)
-        self.meta._count("bucket_hits", key)
+        # A bucket is the padded token dims (every size, for a graph with no token layout).
+        bucket = tuple(padded_dims) if padded_dims is not None and not self.shapes.not_bucketable else key
+        self.meta._count("bucket_hits", bucket)
         if token_dims is not None:
             self.meta._count("real_tokens", n=math.prod(token_dims))
             self.meta._count("padded_tokens", n=math.prod(padded_dims) - math.prod(token_dims))
@@ -238,11 +240,14 @@ class CompiledLoRAGraph:
             return None
         return tuple(evaluate(d, bindings) for d in self.leftover_layout)
 
-    def _program_key(self, padded, padded_dims) -> tuple:
-        """One program per key: the padded token dims (or every size symbol's value)."""
-        if padded_dims is not None and not self.shapes.not_bucketable:
-            return tuple(padded_dims)
-        return tuple(padded[s] for s in sorted(padded, key=str))
+    def _program_key(self, padded) -> tuple:
+        """One program per key: every size symbol's value (padded for token dims, real for the others).
+
+        A program is specialised on every size of its inputs, not only the
+        token dims: a KV-cache or encoder length that changes under the same
+        token dims must get its own program, never reuse another's.
+        """
+        return tuple((str(s), padded[s]) for s in sorted(padded, key=str))
 
     def _padded_bindings(self, bindings):
         if self.shapes.not_bucketable:
