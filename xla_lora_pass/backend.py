@@ -18,14 +18,15 @@ import torch.fx as fx
 
 from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport,
                             unrewritten_lora_weights)
-from graph_rewrites.annotations import LAYOUT_KINDS, ROW_SLOTS, STACKED_A_T, STACKED_B_T
+from graph_rewrites.annotations import (LAYOUT_KINDS, POOLED_ROW_SLOTS, ROW_SLOTS, SAVED_MODULE_PARAM, STACKED_A_T,
+                                       STACKED_B_T)
 from graph_rewrites.site_inputs import find_token_layout
 
 from . import config
 from .bucketing import Buckets, GraphShapes, evaluate
 from .dump import dump_graphs
 from .errors import UnsupportedMappingError
-from .metadata import LoRAMetadata
+from .metadata import NO_LORA, LoRAMetadata
 from .rewrite import copy_graph_module, rewrite
 
 log = logging.getLogger(__name__)
@@ -174,9 +175,10 @@ class CompiledLoRAGraph:
             self._check_uniform(mapping)
 
     def _check_uniform(self, mapping: torch.Tensor) -> None:
-        """Layers left alone compute their active adapter for every token: accept only that."""
+        """Layers left alone compute one adapter (None: the base model) for every token: accept only that."""
         active = {ref.adapter for ref in self.leftovers.values()}
-        slots = {self.meta.slots.index(a) if a in self.meta.slots else None for a in active}
+        slots = {NO_LORA if a is None else self.meta.slots.index(a) if a in self.meta.slots else None
+                 for a in active}
         values = set(mapping.unique().tolist())
         if len(slots) == 1 and None not in slots and values == slots:
             return
@@ -184,12 +186,13 @@ class CompiledLoRAGraph:
         if self.report.error:  # no pattern ran at all: the failure is the reason
             reasons = dict.fromkeys(self.leftovers, f"the rewrite failed and the graph was compiled unrewritten "
                                                     f"({self.report.error})")
-        layers = "; ".join(f"{site} (adapter {ref.adapter!r}): {reasons.get(site, 'not rewritten')}"
+        layers = "; ".join(f"{site} ({_computes(ref.adapter)}): {reasons.get(site, 'not rewritten')}"
                            for site, ref in sorted(self.leftovers.items()))
         raise UnsupportedMappingError(
             f"this compiled graph holds LoRA layers that were not rewritten, which compute the active "
-            f"adapter {sorted(active)} for every token, so it only accepts a mapping with every token on "
-            f"that adapter; got slots {sorted(values)}. Layers: {layers}")
+            f"adapter {sorted(a if a is not None else '(base model)' for a in active)} for every token, so it "
+            f"only accepts a mapping with every token on that adapter; got slots {sorted(values)}. "
+            f"Layers: {layers}")
 
     # ------------------------------------------------------------------- call
     def __call__(self, *args):
@@ -278,6 +281,10 @@ class CompiledLoRAGraph:
 
 
 
+def _computes(adapter: Optional[str]) -> str:
+    return "the base model" if adapter is None else f"adapter {adapter!r}"
+
+
 def _leftover_token_layout(gm: fx.GraphModule) -> Optional[tuple]:
     """Token dims of the LoRA layers left in a graph, as size expressions (None if none found).
 
@@ -298,6 +305,10 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
             extras.append(meta.token_indices(device, token_dims, padded_dims))
         elif req.kind == ROW_SLOTS:
             extras.append(meta.row_slots(device, token_dims, padded_dims))
+        elif req.kind == POOLED_ROW_SLOTS:
+            extras.append(meta.row_slots(device, token_dims, padded_dims, pooled=True))
+        elif req.kind == SAVED_MODULE_PARAM:
+            extras.append(meta.saved_tensor(req.site, *req.param, device))
         elif req.kind == STACKED_A:
             extras.append(meta.stacked_a(req.site, device))
         elif req.kind == STACKED_A_T:
