@@ -1,4 +1,6 @@
 """Small modules for pattern tests: PEFT-wrapped and hand-written."""
+import types
+
 import torch
 import torch.nn as nn
 from peft import LoraConfig, get_peft_model
@@ -125,4 +127,6 @@ def per_row_eager(model, ids, rows):
                     outs.append(model(ids[i:i + 1]))
         finally:
             model.set_adapter(active)
+        if hasattr(outs[0], "logits"):  # a transformers ModelOutput
+            return types.SimpleNamespace(logits=torch.cat([o.logits for o in outs]))
         return tuple(torch.cat(parts) for parts in zip(*outs))
