@@ -25,6 +25,7 @@ from . import config
 from .bucketing import Buckets, GraphShapes, evaluate
 from .dump import dump_graphs
 from .errors import UnsupportedMappingError
+from .generation import attach_backend
 from .metadata import LoRAMetadata
 from .rewrite import copy_graph_module, rewrite
 
@@ -330,4 +331,6 @@ def make_backend(meta: LoRAMetadata, buckets: Optional[Buckets] = None, inner: U
         log.warning("XLA:CPU started before xla_lora_pass was imported, so it keeps its breadth-first scheduler, "
                     "measured 1.4x slower on LoRA graphs here: import xla_lora_pass before the first "
                     "torch_xla.device(), or set XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false")
-    return LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets)
+    backend = LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets)
+    attach_backend(meta, backend)  # the registered model's generate runs through it (generation.py)
+    return backend

@@ -46,6 +46,7 @@ from graph_rewrites import GROUP_SEPARATOR
 
 from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
 from .errors import UnsupportedMappingError
+from .generation import route_generate
 from .ops_blocked import padded_layout
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ class LoRAMetadata:
             self._mapping = self._request_rows = None
             self._drop_mapping_caches()
             self._install_eager_guards(sites)
+        if sites:
+            route_generate(self, model)  # HF's generate never calls the compiled module: generation.py
         log.info("registered %d LoRA sites, slots %s", len(sites), self._slots)
         return list(names)
 
