@@ -148,7 +148,7 @@ def _use_bucketed_static_cache(transformer: torch.nn.Module, backend, args, kwar
     if total is None:
         return
     kwargs.pop("cache_implementation", None)
-    kwargs["past_key_values"] = _static_cache(config, backend.buckets.pad(total), _batch_size(args, kwargs))
+    kwargs["past_key_values"] = static_cache(config, backend.buckets.pad(total), _batch_size(args, kwargs))
 
 
 def _total_length(transformer, args, kwargs) -> Optional[int]:
@@ -174,7 +174,7 @@ def _batch_size(args, kwargs) -> int:
     return int(prompt.shape[0]) * int(beams)
 
 
-def _static_cache(config, max_cache_len: int, batch_size: int) -> Any:
+def static_cache(config, max_cache_len: int, batch_size: int) -> Any:
     """A transformers ``StaticCache`` with only the arguments this transformers version takes."""
     from transformers import StaticCache
 
