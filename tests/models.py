@@ -130,3 +130,36 @@ def per_row_eager(model, ids, rows):
         if hasattr(outs[0], "logits"):  # a transformers ModelOutput
             return types.SimpleNamespace(logits=torch.cat([o.logits for o in outs]))
         return tuple(torch.cat(parts) for parts in zip(*outs))
+
+
+class TwoStacks(nn.Module):
+    """An encoder stack and a decoder stack of other lengths on the same rows, and a head on pooled rows.
+
+    ``enc`` sees ``[B, S]``, ``dec`` ``[B, S2]``, ``head`` the pooled ``[B, H]``
+    (the shapes of T5's encoder, decoder and a classification head in one graph).
+    """
+
+    def __init__(self, d=16, d_out=4):
+        super().__init__()
+        self.enc = nn.Linear(d, d, bias=False)
+        self.dec = nn.Linear(d, d, bias=False)
+        self.head = nn.Linear(d, d_out, bias=False)
+
+    def forward(self, x_enc, x_dec):
+        memory = self.enc(x_enc)
+        hidden = self.dec(x_dec) + memory.mean(dim=1, keepdim=True)
+        return self.head(hidden.mean(dim=1)), hidden
+
+
+def peft_two_stacks(adapters=(("sql", 2, 4), ("chat", 4, 4)), seed=0):
+    """TwoStacks with one PEFT adapter per (name, rank, alpha) on enc, dec and head."""
+    torch.manual_seed(seed)
+    model = None
+    for name, r, alpha in adapters:
+        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=["enc", "dec", "head"], init_lora_weights=False)
+        if model is None:
+            model = get_peft_model(TwoStacks(), cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+    model.set_adapter(adapters[0][0])
+    return model.eval()

@@ -114,10 +114,9 @@ def _refuse_saved_module(meta, name: str, module) -> None:
 
 def _refuse_unless_uniform(meta, what: str, active: List[str], computes: List[str]) -> None:
     """Accept only a mapping with every token on what the layer computes (its held active adapter, or base)."""
-    mapping = meta.mapping()
-    if mapping is None:
+    values: Optional[Set[int]] = meta.mapped_slots()
+    if values is None:
         return
-    values: Set[int] = set(mapping.unique().tolist())
     slots = meta.slots
     computed: Set[Optional[int]] = {slots.index(a) if a in slots else None for a in computes} or {NO_LORA}
     if len(computed) == 1 and values == computed:
