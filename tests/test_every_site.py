@@ -251,3 +251,21 @@ def test_region_is_found_through_the_wrapper_identity():
     assert [a.op for a in region.activations] == ["call_function"]  # h, the output of the residual add
     for node in gm.graph.find_nodes(op="placeholder"):  # annotated a copy's tensors only: undo for Dynamo
         node.meta.pop(SAVED_PARAM, None)
+
+
+@pytest.mark.parametrize("kernel", ["masked", "auto"])
+def test_lora_bias_of_an_inactive_adapter_is_added(kernel):
+    """The active adapter's branch has no bias, another adapter at the site has one: its slot gets it
+    (found by the property test: the bias was dropped when the traced branch had none)."""
+    model = peft_tiny_lm([dict(name="sql", targets=["q", "k"]), dict(name="chat", targets=["q"], lora_bias=True)])
+    meta = _registered(model)
+    rows = ["chat", "sql", None, "chat"]
+    ids = _ids(rows)
+    reference = per_row_eager(model, ids, rows)
+    _, example_inputs, new_gm, report = _rewritten(model, meta, ids, kernel)
+    assert report.counts() == {"lora_linear": 2}
+    assert count_ops(new_gm, torch.ops.xla_lora.bgmv_bias.default) == 1
+    _mapped(meta, rows, SEQ)
+    out = run_rewritten(new_gm, example_inputs, meta, (len(rows), SEQ))
+    for got, want in zip(out, reference):
+        assert (got - want).abs().max().item() < 1e-4
