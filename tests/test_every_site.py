@@ -269,3 +269,13 @@ def test_lora_bias_of_an_inactive_adapter_is_added(kernel):
     out = run_rewritten(new_gm, example_inputs, meta, (len(rows), SEQ))
     for got, want in zip(out, reference):
         assert (got - want).abs().max().item() < 1e-4
+
+
+def test_load_adapter_refuses_an_adapter_with_saved_copies():
+    model = peft_tiny_lm([dict(name="sql", targets=["q"], modules_to_save=["lm_head"]), dict(name="chat", targets=["q"])])
+    meta = _registered(model)
+    q = model.base_model.model.q
+    state = {"q.lora_A.weight": q.lora_A["sql"].weight.detach(), "q.lora_B.weight": q.lora_B["sql"].weight.detach()}
+    with pytest.raises(ValueError, match=r"load_adapter\('sql'\): this adapter has PEFT modules_to_save copies"):
+        meta.load_adapter("sql", state, scaling=1.0)
+    assert meta.load_adapter("chat", state, scaling=1.0) == 1  # no saved copies: loaded

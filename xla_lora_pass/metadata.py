@@ -218,6 +218,11 @@ class LoRAMetadata:
         if not self._sites:
             raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
                                "register_adapters(model) with a model that has LoRA layers first")
+        saved = sorted(m.name for m in self._saved.values() if name in m.adapters)
+        if saved:
+            raise ValueError(f"load_adapter({name!r}): this adapter has PEFT modules_to_save copies ({saved}) that "
+                             "load_adapter cannot replace, so its rows would mix new LoRA weights with the old "
+                             "copies; load it into the PEFT model and call register_adapters(model) again")
         per_site = _split_state(state, self._sites)
         if not per_site:
             raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
