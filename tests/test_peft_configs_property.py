@@ -11,6 +11,8 @@ tests/test_issue12_xla.py.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -55,12 +57,21 @@ def peft_configuration(draw):
                 kernel=draw(st.sampled_from(["auto", "masked", "blocked"])), seed=draw(st.integers(0, 2 ** 16)))
 
 
-def _close(got, want, dtype):
+def _rel(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6)).item()
+
+
+def _close(got, want, dtype, exact=None):
+    """fp32: 1e-4 absolute.  bf16: 1e-2 relative, or, where eager PEFT's own bf16 result is further than
+    that from ``exact`` (the same weights run by eager PEFT in fp32; a pooled head of three scores after a
+    chain of bf16 roundings), no further from ``exact`` than twice PEFT's own error."""
     if dtype == torch.float32:
         assert (got - want).abs().max().item() < 1e-4
-    else:  # bf16: 1e-2 relative error (norm of the difference over norm of the reference)
-        rel = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6)).item()
-        assert rel < 1e-2, rel
+        return
+    rel = _rel(got, want)
+    if rel < 1e-2:
+        return
+    assert _rel(got, exact) <= 2 * max(_rel(want, exact), 5e-3), (rel, _rel(got, exact), _rel(want, exact))
 
 
 @settings(**SETTINGS)
@@ -70,14 +81,15 @@ def test_generated_peft_configurations_match_eager_peft(case):
     rows, seq = case["rows"], case["seq"]
     ids = torch.randint(0, 32, (len(rows), seq), generator=torch.Generator().manual_seed(case["seed"]))
     reference = per_row_eager(model, ids, rows)
+    exact = per_row_eager(copy.deepcopy(model).float(), ids, rows) if case["dtype"] != torch.float32 else reference
     meta = xlp.LoRAMetadata(max_num_tokens=64)
     meta.register_adapters(model)
     (gm, example_inputs), = capture_graphs(model, ids)
     new_gm, report = xlp.rewrite(gm, example_inputs, meta, kernel=case["kernel"])
     meta.set_token_adapters([r for r in rows for _ in range(seq)])
     out = run_rewritten(new_gm, example_inputs, meta, (len(rows), seq))
-    for got, want in zip(out, reference):
-        _close(got, want, case["dtype"])
+    for got, want, fp32 in zip(out, reference, exact):
+        _close(got, want, case["dtype"], fp32)
     assert report.error is None and report.near_misses == [], report.format()
     # Every registered site and saved module in the graph is served, whatever adapter is active.
     assert {s.site for s in report.sites} == set(meta.sites) | set(meta.saved_modules), report.format()
