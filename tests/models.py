@@ -89,7 +89,7 @@ def peft_tiny_lm(adapters, dtype=torch.float32, seed=0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".modules_to_save." in name or "lora_B" in name:
-                p.add_(torch.randn_like(p) * 0.5)
+                p.add_(torch.randn_like(p) * 0.1)
     model.set_adapter(adapters[0]["name"])
     return model.to(dtype).eval()
 
