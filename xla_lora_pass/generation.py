@@ -181,3 +181,19 @@ def static_cache(config, max_cache_len: int, batch_size: int) -> Any:
     params = inspect.signature(StaticCache.__init__).parameters
     offered = {"config": config, "max_cache_len": max_cache_len, "max_batch_size": batch_size}
     return StaticCache(**{k: v for k, v in offered.items() if k in params})
+
+
+def warm_generate(backend, model: torch.nn.Module, batch: int, prompt_length: int, max_new_tokens: int) -> None:
+    """One two-token generate of ``batch`` prompts of ``prompt_length`` ids: its prompt and decode programs.
+
+    The cache has the length a generate of ``max_new_tokens`` gets, so the
+    decode program is the one serving will run.
+    """
+    transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    transformer = getattr(transformer, "_orig_mod", transformer)  # a torch.compile wrapper
+    device = next(transformer.parameters()).device
+    ids = torch.ones(batch, prompt_length, dtype=torch.long).to(device)
+    cache = static_cache(transformer.config, backend.buckets.pad(prompt_length + max_new_tokens), batch)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                       do_sample=False, pad_token_id=0, past_key_values=cache)
