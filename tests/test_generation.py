@@ -114,7 +114,7 @@ def test_static_cache_decode_loop_with_request_adapters(xla_device):
     meta.register_adapters(model)
     compiled = torch.compile(model, backend=xlp.make_backend(meta))
     meta.set_request_adapters(ROWS)
-    cache = static_cache(model.get_base_model().config, 80, 4)
+    cache = static_cache(model.get_base_model().config, 80, 4, torch.float32, xla_device)
     compiles = []  # XLA compiles so far, after each step
 
     def step(x, position):
