@@ -222,7 +222,7 @@ def static_cache(config, max_cache_len: int, batch_size: int, dtype: Optional[to
 
 
 def warm_generate(backend, model: torch.nn.Module, batch: int, prompt_length: int, max_new_tokens: int) -> None:
-    """One two-token generate of ``batch`` prompts of ``prompt_length`` ids: its prompt and decode programs.
+    """Two-token generates of ``batch`` prompts of ``prompt_length`` ids, unpadded and left-padded.
 
     The cache has the length a generate of ``max_new_tokens`` gets, so the
     decode program is the one serving will run.
@@ -231,6 +231,11 @@ def warm_generate(backend, model: torch.nn.Module, batch: int, prompt_length: in
     transformer = getattr(transformer, "_orig_mod", transformer)  # a torch.compile wrapper
     ids = torch.ones(batch, prompt_length, dtype=torch.long).to(next(transformer.parameters()).device)
     cache = serving_cache(transformer, backend.buckets.pad(prompt_length + max_new_tokens), batch)
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
-                       do_sample=False, pad_token_id=0, past_key_values=cache)
+    masks = [torch.ones_like(ids)]
+    if prompt_length > 1:  # a left-padded prompt: transformers 5 traces another mask path for it
+        masks.append(torch.ones_like(ids).index_fill_(1, torch.tensor([0], device=ids.device), 0))
+    for mask in masks:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2,
+                           do_sample=False, pad_token_id=0, past_key_values=cache)
+        cache.reset()
