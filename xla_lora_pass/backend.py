@@ -127,7 +127,7 @@ class LoRABackend:
 
 
 def progress_bar(items, label: str, enabled: bool = True):
-    """A tqdm bar over ``items`` (tqdm comes with transformers), silent when ``enabled`` is False."""
+    """A tqdm bar over ``items``, silent when ``enabled`` is False."""
     from tqdm.auto import tqdm
 
     return tqdm(items, desc=label, disable=not enabled, leave=False)
