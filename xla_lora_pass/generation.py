@@ -9,7 +9,7 @@ replaces ``generate`` on the registered model's instance with
 (``make_backend(meta)``):
 
 - turns ``adapter_names`` (one per prompt row, ``"__base__"`` for the base
-  model) into ``meta.set_request_adapters``, repeated per beam as PEFT does,
+  model) into ``meta.set_request_adapters``, repeated per beam (as PEFT does) or returned sequence,
   and leaves PEFT's own per-layer hooks out;
 - points the transformer's ``forward`` at one ``torch.compile`` of it with
   that backend for the duration of the call, so the prompt step and every
