@@ -7,7 +7,9 @@ Every figure is a ratio measured side by side in the same run (interleaved
 repetitions, median [min-max]); every part runs in fresh processes
 (bench/_timing.run_child) so XLA's program cache never carries over.
 
-Parts: step time (bench/step_time.py), the pass's own time against graph size
+Parts: step time (bench/step_time.py), decode and prefill steps and a full
+``generate`` with a static cache (bench/decode_step.py; ``--decode-only`` runs
+that part alone), the pass's own time against graph size
 (bench/pass_time.py), the BGMV kernel forms on one linear (bench/kernels.py),
 and compiles for a serving stream (bench/recompiles.py, with --recompiles).
 """
@@ -68,6 +70,54 @@ def target_table(rows):
                            "overhead / PEFT eager overhead, same run (target <= 0.25)",
                            "overhead / 1.23 (issue's PEFT figure)", ""], table)
     return text, met
+
+
+TARGET_DECODE, TARGET_PREFILL, GOAL_DECODE = 1.15, 1.15, 1.05
+
+
+def decode_tables(blocks):
+    """Decode-step, prefill-step and generate tables (bench/decode_step.py), one row per (adapters, batch)."""
+    decode, prefill, generate, targets = [], [], [], []
+    for block in blocks:
+        for r in block["results"]:
+            n, b = r["adapters"], r["batch"]
+            extra = [k for k in r["decode_ratio"] if k not in ("base, openxla", "xla_lora")]
+            base_ms = statistics.median(r["decode"]["base, openxla"]) * 1e3
+            decode.append([n, b, f"{base_ms:.1f}", summary(r["decode_ratio"]["xla_lora"])]
+                          + [summary(r["decode_ratio"][k]) for k in extra])
+            if r["prefill_ratio"]:
+                pms = statistics.median(r["prefill"]["base, openxla"]) * 1e3
+                prefill.append([n, b, f"{pms:.0f}", summary(r["prefill_ratio"]["xla_lora"])])
+            g = r.get("generate")
+            if g:
+                tps = g["tokens_per_s"]
+                generate.append([n, b, g["new_tokens"], f"{tps['base, openxla']:.0f}", f"{tps['xla_lora']:.0f}",
+                                 summary(g["ratio"]["xla_lora"])])
+            if n == 16:
+                med = statistics.median(r["decode_ratio"]["xla_lora"])
+                row = [b, summary(r["decode_ratio"]["xla_lora"]),
+                       "met" if med <= TARGET_DECODE else "NOT met", "met" if med <= GOAL_DECODE else "not met"]
+                if r["prefill_ratio"]:
+                    pmed = statistics.median(r["prefill_ratio"]["xla_lora"])
+                    row += [summary(r["prefill_ratio"]["xla_lora"]), "met" if pmed <= TARGET_PREFILL else "NOT met"]
+                targets.append(row)
+    extra = [k for k in blocks[0]["results"][0]["decode_ratio"] if k not in ("base, openxla", "xla_lora")]
+    parts = ["### Decode step (`[B, 1]` at the next static-cache position)\n\nColumns are time / `base, openxla`, "
+             "median [min-max].\n\n" +
+             markdown_table(["adapters", "batch", "base openxla ms", "**xla_lora**"] + extra, decode)]
+    if prefill:
+        parts.append(f"### Prefill step (`[B, {blocks[0]['results'][0]['prompt']}]` into the static cache)\n\n" +
+                     markdown_table(["adapters", "batch", "base openxla ms", "**xla_lora** / base"], prefill))
+    if generate:
+        parts.append("### Full `generate` (greedy, static cache of the same length on both sides)\n\n" +
+                     markdown_table(["adapters", "batch", "new tokens", "base tokens/s", "xla_lora tokens/s",
+                                     "xla_lora time / base"], generate))
+    if targets:
+        head = ["batch", f"decode / base (target <= {TARGET_DECODE})", "", f"goal <= {GOAL_DECODE}"]
+        if prefill:
+            head += [f"prefill / base (target <= {TARGET_PREFILL})", ""]
+        parts.append("### Targets (16 adapters, one per row)\n\n" + markdown_table(head, targets))
+    return "\n\n".join(parts)
 
 
 def pass_table(rows):
@@ -139,6 +189,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", help="comma list (default 64,128,256,512; --quick 512)")
     parser.add_argument("--layers", help="comma list for the pass timing (default 2,4,8,16,32; --quick 2,4,8)")
     parser.add_argument("--reps", type=int, help="repetitions (default 7; --quick 3)")
+    parser.add_argument("--decode-batch", default="1,8,32",
+                        help="batch sizes of the decode/prefill/generate part (bench/decode_step.py); '' skips it")
+    parser.add_argument("--decode-only", action="store_true", help="run only the decode/prefill/generate part")
     parser.add_argument("--recompiles", action="store_true",
                         help="also run bench/recompiles.py --max-tokens 64 (a serving stream's compiles)")
     args = parser.parse_args(argv)
@@ -150,6 +203,22 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
 
     print("running (each part in a fresh process):", file=sys.stderr)
+    decode_blocks = [run_child("decode_step.py", ["--adapters", n, "--batch", args.decode_batch, "--reps", str(reps),
+                                                  "--masked"], f"decode and prefill, {n} adapters")
+                     for n in adapters.split(",")] if args.decode_batch else []
+    decode_section = (
+        "## Decoding and prefill with a static cache (bench/decode_step.py)\n\nThe same model; B sequences, "
+        "sequence i on adapter i mod N, `meta.set_request_adapters` once per batch; HF `StaticCache`; every "
+        "step ends with `logits.cpu()`.\n\n" + decode_tables(decode_blocks)) if decode_blocks else None
+    if args.decode_only:
+        text = (f"# Benchmark run: `python bench/run.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+                f"\n\nMachine: {os.cpu_count()}-core CPU shared with other jobs, XLA on the CPU, fp32. {reps} "
+                f"repetitions; ratios within one repetition, median [min-max]. Total run "
+                f"{time.perf_counter() - t0:.0f} s.\n\n" + (decode_section or "") + "\n")
+        print(text)
+        with open(os.path.join(OUT_DIR, "decode.md"), "w") as f:
+            f.write(text)
+        return 0
     step_rows = [run_child("step_time.py", ["--adapters", n, "--tokens", tokens, "--reps", str(reps)],
                            f"step time, {n} adapters") for n in adapters.split(",")]
     pass_rows = [run_child("pass_time.py", ["--layers", L, "--reps", str(max(reps, 3))], f"pass time, {L} layers")
@@ -180,6 +249,7 @@ def main(argv=None) -> int:
         "vocab 4096, random weights; PEFT LoRA r=16 on every linear of the decoder layers (7 per layer). "
         "Steady-state steps only, each ending with `logits.cpu()`.\n\n" + step_tables(step_rows),
         "## Targets (16 adapters)\n\n" + targets + f"\n\nAll targets met: {'yes' if met else 'no'}.",
+        *([decode_section] if decode_section else []),
         "## With XLA:CPU's default scheduler\n\nThe same 16-adapter step with "
         "`XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=true` (XLA's default, which importing "
         "xla_lora_pass turns off on the CPU; every configuration in this run has it, the base model "

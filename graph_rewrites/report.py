@@ -40,7 +40,7 @@ class RewriteContext:
     # rewrite for mappings that mix adapters within a row); "masked": every slot's columns;
     # "blocked": tokens sorted by slot into row blocks.
     kernel: str = "masked"
-    row_kernel_min_tokens: int = 2  # "auto" keeps the masked kernel for a static row length below this
+    row_kernel_min_tokens: int = 1  # "auto" keeps the masked kernel for a static row length below this
     block_size: int = 32
     num_slots: int = 0  # for the blocked layout's block count
 

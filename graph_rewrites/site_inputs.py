@@ -187,12 +187,13 @@ def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feat
 
     A row is the innermost token dim (S of ``[B, S]``); B is the product of
     the outer ones, read off ``tokens`` so it follows the bucket.  None when
-    the row kernel is off, the layout is flat (``[T]``: a row would be one
-    token, a per-token weight gather), rows are a static length under
-    ``ctx.row_kernel_min_tokens`` (Dynamo's size-1 graph for decoding), or
-    the site's tokens are neither the layout's nor another stack of the same
-    rows (a row selection keeps the token indices).  The input is a
-    ``[max_num_tokens]`` buffer the graph narrows to B.
+    the row kernel is off, the layout is flat (``[T]``: no rows to tie the
+    tokens to requests), rows are a static length under
+    ``ctx.row_kernel_min_tokens`` (1 by default: the decode step's ``[B, 1]``
+    graph takes the row kernel too), or the site's tokens are neither the
+    layout's nor another stack of the same rows (a row selection keeps the
+    token indices).  The input is a ``[max_num_tokens]`` buffer the graph
+    narrows to B.
     """
     shape = _shape(tokens)
     layout = ctx.token_layout

@@ -233,7 +233,7 @@ def test_precompile_warms_every_bucket_then_serving_compiles_nothing(xla_device)
     meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 64))
     warmed = backend.precompile(lambda n: compiled(input_ids=ids[:, :n].to(xla_device)), progress=False)
     # The first trace (2 tokens) and buckets 8..64 twice, the row kernel's program and the masked one's
-    # (mixed rows); the size-1 graph once (rows of one token keep the masked kernel).
+    # (mixed rows); the size-1 graph once (its rows of one token cannot mix adapters: row kernel only).
     assert warmed == meta.stats["compiles"] == 2 * 1 + 1 + 2 * 4
     before = xla_compiles()
     for i, n in enumerate((5, 17, 64, 33, 1, 2, 9, 40)):

@@ -149,23 +149,6 @@ def test_mapping_mixed_within_rows_switches_to_the_masked_kernel_once(served):
     assert (got - want).abs().max().item() < 1e-5
 
 
-def test_short_static_rows_keep_the_masked_kernel():
-    """Dynamo's size-1 graph (decoding) would make the row kernel a per-token weight gather."""
-    from .helpers import capture_graphs
-
-    model, _ = tiny_peft_llama()
-    meta = xlp.LoRAMetadata(max_num_tokens=64)
-    meta.register_adapters(model)
-    (gm, example_inputs), = capture_graphs(model, input_ids=torch.randint(0, 128, (4, 1)))
-    new_gm, report = xlp.rewrite(gm, example_inputs, meta)
-    ops_used = {n.target for n in new_gm.graph.nodes if n.op == "call_function"}
-    assert torch.ops.xla_lora.bgmv_shrink.default in ops_used
-    assert torch.ops.xla_lora.bgmv_shrink_rows.default not in ops_used
-    (gm, example_inputs), = capture_graphs(model, input_ids=torch.randint(0, 128, (4, 8)))
-    new_gm, report = xlp.rewrite(gm, example_inputs, meta)
-    assert torch.ops.xla_lora.bgmv_shrink_rows.default in {n.target for n in new_gm.graph.nodes}
-
-
 def test_cpu_scheduler_flag_is_set_only_when_it_can_act(monkeypatch):
     flag = xla_cpu_flags.SCHEDULER_FLAG
     monkeypatch.setattr(xla_cpu_flags, "runtime_started", lambda: False)

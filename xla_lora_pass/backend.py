@@ -88,7 +88,8 @@ class LoRABackend:
         called for 2 and 1 first (Dynamo's first static trace and its size-1
         specialization), then for every bucket size, with every token on the
         base model.  With ``mixed_rows`` (default) the masked kernel's
-        programs are warmed too, for mappings that mix adapters within a row;
+        programs are warmed too (rows of two tokens or more), for mappings
+        that mix adapters within a row;
         ``mixed_rows=False`` when every request has one adapter halves the work.
         """
         sizes = list(sizes) if sizes is not None else [2, 1] + list(self.buckets)
@@ -98,7 +99,8 @@ class LoRABackend:
                 bar.set_postfix_str(f"{n} tokens")
                 with torch.no_grad():
                     run(n)
-                    if mixed_rows and any(g.uses_rows for g in self.graphs):
+                    # Rows of one token cannot mix adapters: no masked program to warm for them.
+                    if mixed_rows and n > 1 and any(g.uses_rows for g in self.graphs):
                         self._warm_masked = True
                         try:
                             run(n)

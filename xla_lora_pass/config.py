@@ -54,7 +54,10 @@ enable_automatic_dynamic_shapes = True
 kernel = "auto"
 
 # "auto" uses the row kernel only for rows of at least this many (padded)
-# tokens: a row of one token (decoding) makes the row kernel a per-token
-# weight gather, where the masked kernel's extra FLOPs are cheaper.  Rows of 4
-# already pay (16 adapters, 16 sequences of 4 tokens: docs/benchmarks.md).
-row_kernel_min_tokens = 2
+# tokens; shorter rows run the masked kernel.  1 (default): every row, the
+# decode step's [B, 1] graph included, where each row's one token is Punica's
+# BGMV case: measured at decode (hidden 512, 4 layers, all-linear r=16, 16
+# adapters, static cache), the row kernel cost 1.32x / 0.92x / 1.20x the base
+# model at batch 1 / 8 / 32 where the masked kernel cost 2.45x / 1.00x / 1.29x
+# (docs/benchmarks.md).  Raise it to send short rows to the masked kernel.
+row_kernel_min_tokens = 1

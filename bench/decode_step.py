@@ -1,0 +1,254 @@
+"""Decode and prefill steps with a static KV cache, this backend against the base model, side by side.
+
+    python bench/decode_step.py --adapters 16 --batch 1,8,32 [--reps 5] [--steps 4] [--prompt 128]
+
+One process per adapter count (``bench/run.py --decode`` starts them): the
+model of ``bench/step_time.py`` (hidden 512, intermediate 1408, 4 layers,
+8 heads, vocab 4096, random weights, fp32) with N PEFT adapters on every
+linear of the decoder layers (r=16).  B sequences, sequence i on adapter
+i mod N, each with an HF ``StaticCache`` of ``prompt + decode calls`` positions.
+
+* ``prefill``: one ``[B, prompt]`` forward that fills the cache (cache_position 0..prompt-1).
+* ``decode``: one ``[B, 1]`` forward at the next cache position, every step one position
+  further (the cache is reset and refilled, untimed, before it would run out).
+
+Configurations, each with its own model copy and cache:
+
+* ``base, openxla``: the model with no LoRA, ``torch.compile(backend="openxla")``: every ratio's denominator.
+* ``xla_lora``: this backend, default kernel, the mapping set per call (one adapter per row).
+* ``xla_lora, masked kernel`` (``--masked``, decode only): the same with ``config.kernel = "masked"``.
+* ``xla_lora, row kernel from 1 token`` (``--rows``): ``config.row_kernel_min_tokens = 1`` (the default
+  now; the setting that compared the two kernels at decode when the default was 2).
+
+A full greedy ``generate`` of ``--generate`` new tokens (default 32) is timed too, base against
+xla_lora (PEFT's ``generate(adapter_names=...)`` on the registered model), as tokens per second.
+
+Each repetition runs every configuration once (rotating order); ratios are
+taken within a repetition.  Every step ends with ``logits.cpu()``.  Before
+timing, each configuration's decode logits are checked against eager PEFT's
+mixed batch (``adapter_names=``) on the same cache contents.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import time
+
+import _common  # noqa: F401  (sets PJRT_DEVICE before torch_xla loads)
+import torch
+from _common import xla_compile_stats
+from _timing import emit, ratios, time_interleaved
+from step_time import VOCAB, build_models
+
+
+def _static_cache(model, max_len: int, batch: int = 1):
+    from xla_lora_pass.generation import static_cache
+
+    return static_cache(model.config, max_len, batch)
+
+
+class Stream:
+    """One configuration's model, cache and next cache position: prefill, then one decode step per call."""
+
+    def __init__(self, model, prompt_ids, decode_ids, max_len: int):
+        self.model, self.prompt_ids, self.decode_ids, self.max_len = model, prompt_ids, decode_ids, max_len
+        self.cache, self.pos = None, None
+        self.device = prompt_ids.device
+
+    @torch.no_grad()
+    def prefill(self):
+        """A fresh cache filled with the prompt; returns the logits on the CPU."""
+        if self.cache is None:
+            self.cache = _static_cache(self.model, self.max_len, self.prompt_ids.shape[0])
+        else:
+            self.cache.reset()  # transformers 5's StaticLayer writes at its own count: reset before reuse
+        s = self.prompt_ids.shape[1]
+        out = self.model(input_ids=self.prompt_ids, past_key_values=self.cache, use_cache=True,
+                         cache_position=torch.arange(s, device=self.device))
+        self.pos = s
+        return out.logits.cpu()
+
+    @torch.no_grad()
+    def decode(self):
+        """One [B, 1] step at the next position; returns the logits on the CPU."""
+        if self.pos is None or self.pos >= self.max_len:
+            self.prefill()
+        out = self.model(input_ids=self.decode_ids, past_key_values=self.cache, use_cache=True,
+                         cache_position=torch.tensor([self.pos], device=self.device))
+        self.pos += 1
+        return out.logits.cpu()
+
+
+def _eager_decode_reference(peft_cpu, prompt, step_ids, rows, max_len):
+    """Eager PEFT's mixed batch (``adapter_names=``): the logits of the first decode step after the prompt."""
+    names = ["__base__" if a is None else a for a in rows]
+    cache = _static_cache(peft_cpu, max_len, prompt.shape[0])
+    with torch.no_grad():
+        peft_cpu(input_ids=prompt, past_key_values=cache, use_cache=True, adapter_names=names,
+                 cache_position=torch.arange(prompt.shape[1]))
+        return peft_cpu(input_ids=step_ids, past_key_values=cache, use_cache=True, adapter_names=names,
+                        cache_position=torch.tensor([prompt.shape[1]])).logits
+
+
+def _time_generate(args, configs, base_cpu, prompt, rows, dev):
+    """Tokens per second of a full greedy ``generate`` of ``args.generate`` tokens, base against xla_lora.
+
+    xla_lora: PEFT's ``generate(adapter_names=...)`` on the registered model, which the backend serves
+    (a static cache of the bucketed length).  Base: HF's ``generate`` with the model's forward compiled
+    with openxla and a static cache of that same length, so both attend over the same cache.
+    """
+    cfg = configs["xla_lora"]
+    batch, new = prompt.shape[0], args.generate
+    cache_len = cfg["backend"].buckets.pad(prompt.shape[1] + new)
+    base = copy.deepcopy(base_cpu).to(dev)
+    base.forward = torch.compile(base.forward, backend="openxla")
+    for model in (base, cfg["raw"]):
+        model.generation_config.eos_token_id = None  # random weights: never stop early, every row makes `new`
+        model.generation_config.pad_token_id = 0
+    mask = torch.ones_like(prompt)
+    names = ["__base__" if a is None else a for a in rows]
+
+    @torch.no_grad()
+    def gen_base():
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            out = base.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                past_key_values=_static_cache(base, cache_len, batch))
+        assert out.shape[1] == prompt.shape[1] + new
+        return out.cpu()
+
+    @torch.no_grad()
+    def gen_ours():
+        out = cfg["raw"].generate(input_ids=prompt, attention_mask=mask, adapter_names=names, max_new_tokens=new,
+                                  do_sample=False)
+        assert out.shape[1] == prompt.shape[1] + new
+        return out.cpu()
+
+    fns = {"base, openxla": gen_base, "xla_lora": gen_ours}
+    for fn in fns.values():  # compile and warm up
+        fn()
+        fn()
+    c0 = xla_compile_stats()[0]
+    times = time_interleaved(fns, args.generate_reps, 1)
+    return dict(new_tokens=new, cache_len=cache_len, times=times, ratio=ratios(times, "base, openxla"),
+                tokens_per_s={k: batch * new / sorted(v)[len(v) // 2] for k, v in times.items()},
+                xla_compiles_while_timed=xla_compile_stats()[0] - c0)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapters", type=int, default=16)
+    parser.add_argument("--batch", default="1,8,32")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="decode steps per configuration per repetition")
+    parser.add_argument("--prefill-steps", type=int, default=1, help="prefills per configuration per repetition")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-prefill", action="store_true", help="time decode steps only")
+    parser.add_argument("--masked", action="store_true", help="also time the masked kernel")
+    parser.add_argument("--rows", action="store_true", help="also time the row kernel on rows of one token")
+    parser.add_argument("--generate", type=int, default=32, help="new tokens of the timed generate (0: none)")
+    parser.add_argument("--generate-reps", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    import torch_xla
+
+    import xla_lora_pass as xlp
+
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    dev = torch_xla.device()
+    batches = [int(b) for b in args.batch.split(",")]
+    n = args.adapters
+    base_cpu, peft_cpu, names = build_models(n)
+    decode_calls = args.warmup + 2 + args.reps * args.steps
+    max_len = args.prompt + decode_calls
+
+    def lora_config(**settings):
+        model = copy.deepcopy(peft_cpu).to(dev)
+        meta = xlp.LoRAMetadata(max_num_tokens=max(batches) * args.prompt)
+        meta.register_adapters(model)
+        backend = xlp.make_backend(meta)
+        return dict(model=torch.compile(model, backend=backend), meta=meta, settings=settings, raw=model,
+                    backend=backend)
+
+    configs = {"base, openxla": dict(model=torch.compile(copy.deepcopy(base_cpu).to(dev), backend="openxla"))}
+    configs["xla_lora"] = lora_config()
+    if args.masked:
+        configs["xla_lora, masked kernel"] = lora_config(kernel="masked")
+    if args.rows:
+        configs["xla_lora, row kernel from 1 token"] = lora_config(row_kernel_min_tokens=1)
+
+    results = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(0, VOCAB, (batch, args.prompt), generator=gen)
+        step_ids = torch.randint(0, VOCAB, (batch, 1), generator=gen)
+        rows = [names[i % n] for i in range(batch)]
+        streams = {}
+        for name, cfg in configs.items():
+            if "meta" in cfg:
+                cfg["meta"].set_request_adapters(rows)  # one adapter per row, for prefill and every decode step
+            streams[name] = Stream(cfg["model"], prompt.to(dev), step_ids.to(dev), max_len)
+
+        def run(name, phase):
+            # config is read when a graph is rewritten and at every call: patched around both.
+            settings = configs[name].get("settings", {})
+            saved = {k: getattr(xlp.config, k) for k in settings}
+            for k, v in settings.items():
+                setattr(xlp.config, k, v)
+            try:
+                if name == "base, openxla":  # torch_xla's own setting for plain openxla
+                    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                        return getattr(streams[name], phase)()
+                return getattr(streams[name], phase)()
+            finally:
+                for k, v in saved.items():
+                    setattr(xlp.config, k, v)
+
+        warm, errors = {}, {}
+        want = _eager_decode_reference(peft_cpu, prompt, step_ids, rows, max_len)
+        for name in configs:
+            c0, s0 = xla_compile_stats()
+            start = time.perf_counter()
+            # Twice: the first call finds the cache not yet allocated (a graph of its own), later ones a reset one.
+            run(name, "prefill")
+            run(name, "prefill")
+            got = run(name, "decode")  # the first decode step after the prompt, as in the reference
+            warm[name] = dict(first_s=time.perf_counter() - start, xla_compiles=xla_compile_stats()[0] - c0,
+                              xla_compile_s=xla_compile_stats()[1] - s0)
+            if name != "base, openxla":
+                errors[name] = float((got - want).abs().max() / want.abs().max())
+                assert errors[name] < 1e-3, f"{name}: decode logits differ from eager PEFT by {errors[name]}"
+            for _ in range(args.warmup):
+                run(name, "decode")
+        c0 = xla_compile_stats()[0]
+        decode = time_interleaved({name: (lambda name=name: run(name, "decode")) for name in configs},
+                                  args.reps, args.steps)
+        prefill = None
+        if not args.no_prefill:
+            # Prefill: the default kernel only (the masked kernel at [B, S] is bench/step_time.py's subject).
+            prefill = time_interleaved({name: (lambda name=name: run(name, "prefill"))
+                                        for name in ("base, openxla", "xla_lora")}, args.reps, args.prefill_steps)
+        compiles_timed = xla_compile_stats()[0] - c0
+        generate = _time_generate(args, configs, base_cpu, prompt.to(dev), rows, dev) if args.generate else None
+        row = dict(adapters=n, batch=batch, prompt=args.prompt, decode=decode, prefill=prefill,
+                   decode_ratio=ratios(decode, "base, openxla"),
+                   prefill_ratio=ratios(prefill, "base, openxla") if prefill else None,
+                   generate=generate, warm=warm, max_rel_err=errors, xla_compiles_while_timed=compiles_timed,
+                   xla_flags=os.environ.get("XLA_FLAGS", ""))
+        results.append(row)
+        med = {k: sorted(v)[len(v) // 2] for k, v in row["decode_ratio"].items()}
+        pmed = {k: sorted(v)[len(v) // 2] for k, v in (row["prefill_ratio"] or {}).items()}
+        print(f"adapters={n} batch={batch}: decode " + ", ".join(f"{k}={v:.3f}" for k, v in med.items())
+              + (" | prefill " + ", ".join(f"{k}={v:.3f}" for k, v in pmed.items()) if pmed else "")
+              + f" | base decode {sorted(decode['base, openxla'])[args.reps // 2] * 1e3:.1f} ms"
+              + f" | compiles while timed {compiles_timed}"
+              + (f" | generate tokens/s " + ", ".join(f"{k}={v:.1f}" for k, v in generate["tokens_per_s"].items())
+                 if generate else ""), flush=True)
+    emit(dict(adapters=n, results=results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
