@@ -1,0 +1,60 @@
+"""``torch.library.opcheck`` on every ``torch.ops.xla_lora`` op: schema, fake kernel, Dynamo and AOT tracing.
+
+Every op in the namespace must have sample inputs here: a new op without
+them fails ``test_every_op_has_samples`` rather than going unchecked.
+"""
+import pytest
+import torch
+
+import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
+from xla_lora_pass.ops_blocked import build_layout
+
+T, D, O, R, N = 6, 5, 7, 3, 4
+ROWS = 2  # T tokens as ROWS rows of T // ROWS
+
+
+def _gen():
+    return torch.Generator().manual_seed(0)
+
+
+def _samples():
+    """op name -> list of (args, kwargs); weights in each op's own layout."""
+    g = _gen()
+    x, y = torch.randn(T, D, generator=g), torch.randn(T, O, generator=g)
+    xr = torch.randn(T, R, generator=g)
+    a, b = torch.randn(N, R, D, generator=g), torch.randn(N, O, R, generator=g)
+    idx = torch.tensor([0, -1, 3, 1, 1, 2], dtype=torch.int32)
+    row_slots = torch.tensor([2, -1], dtype=torch.int32)
+    ids = torch.tensor([0, 4, 1, 3, 2, 4])
+    emb_a = torch.randn(N, R, D, generator=g)  # [N, R, vocab]
+    bias = torch.randn(N, O, generator=g)
+    lay = build_layout(idx, N)
+    layout = (lay.row_token, lay.block_slot, lay.token_row)
+    return {
+        "bgmv_shrink": [((x, a, idx, 1.0), {}), ((x, a, idx, 0.5), {})],
+        "bgmv_expand": [((xr, b, y, idx, True), {}), ((xr, b, y, idx, False), {})],
+        "bgmv_expand_slice": [((xr, b[:, :3], y, idx, 2, 3, True), {})],
+        "bgmv_embedding_shrink": [((ids, emb_a, idx), {})],
+        "bgmv_bias": [((y, bias, idx), {})],
+        "bgmv_shrink_rows": [((x, a.transpose(1, 2).contiguous(), row_slots, 1.0), {})],
+        "bgmv_expand_rows": [((xr, b.transpose(1, 2).contiguous(), y, row_slots, True), {})],
+        "bgmv_shrink_blocked": [((x, a, *layout, 1.0), {})],
+        "bgmv_expand_blocked": [((xr, b, y, *layout, True), {})],
+    }
+
+
+def _registered_ops():
+    names = torch._C._dispatch_get_all_op_names()
+    return sorted({n.split("::", 1)[1].split(".", 1)[0] for n in names if n.startswith("xla_lora::")})
+
+
+def test_every_op_has_samples():
+    missing = set(_registered_ops()) - set(_samples())
+    assert not missing, f"add opcheck samples for {sorted(missing)} to tests/test_opcheck.py"
+
+
+@pytest.mark.parametrize("name", sorted(_samples()))
+def test_opcheck(name):
+    op = getattr(torch.ops.xla_lora, name)
+    for args, kwargs in _samples()[name]:
+        torch.library.opcheck(op, args, kwargs)
