@@ -73,6 +73,7 @@ def _meta(model):
     return meta
 
 
+@pytest.mark.compat
 def test_flattened_sites_rewritten_golden_and_exact(update_golden):
     model = _model()
     x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))

@@ -72,7 +72,8 @@ def _references(model, batches):
     return refs
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.compat) if f == "gpt2" else f
+                                    for f in FAMILIES])
 def test_layer_norm_model_buckets_a_stream_exactly(family, xla_device):
     torch._dynamo.reset()
     model = _peft_model(family)

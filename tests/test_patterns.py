@@ -59,6 +59,7 @@ def _close(out, ref, dtype):
         assert rel < 1e-2, rel
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_every_lora_module_rewritten_on_xla(family, dtype, xla_device):
