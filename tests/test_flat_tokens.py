@@ -10,7 +10,8 @@ from peft import LoraConfig, get_peft_model
 import xla_lora_pass as xlp
 from graph_rewrites.flat_tokens import flat_token_nodes
 
-from .helpers import assert_golden, capture_graphs, check_rewrite, count_shrinks, lora_weight_uses, normalize_gm
+from .helpers import (assert_golden, capture_graphs, check_rewrite, count_shrinks, lora_weight_uses, normalize_gm,
+                      per_adapter_reference)
 
 B, S, H = 3, 4, 16
 ROWS = ["sql", None, "chat"]
@@ -50,22 +51,6 @@ def _model(**kw):
     return model.eval()
 
 
-def _per_adapter_reference(model, x, rows):
-    """One eager PEFT run per adapter, each row taken from its adapter's run (PEFT's own mixed
-    batch cannot serve [B*S, H] layers: its adapter_names are per row of the layer's input)."""
-    model = copy.deepcopy(model)
-    outs = {}
-    with torch.no_grad():
-        for name in set(rows):
-            if name is None:
-                with model.disable_adapter():
-                    outs[name] = model(x)
-            else:
-                model.set_adapter(name)
-                outs[name] = model(x)
-    return torch.stack([outs[r][i] for i, r in enumerate(rows)])
-
-
 def _meta(model):
     meta = xlp.LoRAMetadata(max_num_tokens=64)
     meta.register_adapters(model)
@@ -77,8 +62,8 @@ def _meta(model):
 def test_flattened_sites_rewritten_golden_and_exact(update_golden):
     model = _model()
     x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
-    reference = _per_adapter_reference(model, x, ROWS)
-    with pytest.raises(ValueError, match="adapter_names"):  # why the reference is one run per adapter
+    reference = per_adapter_reference(model, ROWS, lambda m: m(x))  # PEFT's own mixed batch refuses it:
+    with pytest.raises(ValueError, match="adapter_names"):
         with torch.no_grad():
             copy.deepcopy(model)(x, adapter_names=["__base__" if r is None else r for r in ROWS])
     meta = _meta(model)

@@ -1,12 +1,10 @@
 """Issue 15: LayerNorm models bucket by default, exact against PEFT eager over a stream of token counts."""
-import copy
-
 import pytest
 import torch
 import transformers as T
 from peft import LoraConfig, get_peft_model
 
-from .helpers import compile_lora
+from .helpers import compile_lora, per_adapter_reference
 
 ROWS = ["sql", "chat", None]
 MAX_TOKENS = 64  # buckets 8, 16, 32, 64 for the sequence dim
@@ -54,24 +52,6 @@ def _peft_model(family):
     return model.eval()
 
 
-def _references(model, batches):
-    """PEFT eager, one run per adapter (OPT's [B*S, H] layers refuse PEFT's own adapter_names), rows stitched."""
-    model = copy.deepcopy(model)
-    refs = []
-    with torch.no_grad():
-        for kw in batches:
-            outs = {}
-            for name in set(ROWS):
-                if name is None:
-                    with model.disable_adapter():
-                        outs[name] = model(**kw).logits
-                else:
-                    model.set_adapter(name)
-                    outs[name] = model(**kw).logits
-            refs.append(torch.stack([outs[r][i] for i, r in enumerate(ROWS)]))
-    return refs
-
-
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.compat) if f == "gpt2" else f
                                     for f in FAMILIES])
 def test_layer_norm_model_buckets_a_stream_exactly(family, xla_device):
@@ -85,7 +65,8 @@ def test_layer_norm_model_buckets_a_stream_exactly(family, xla_device):
         if family == "roberta":  # bidirectional: padding must be masked (docs/user-guide.md)
             batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         batches.append(batch)
-    references = _references(model, batches)
+    # PEFT eager, one run per adapter (OPT's [B*S, H] layers refuse PEFT's own adapter_names)
+    references = [per_adapter_reference(model, ROWS, lambda m, kw=kw: m(**kw).logits) for kw in batches]
     meta, backend, compiled = compile_lora(model, xla_device, MAX_TOKENS)
     worst = 0.0
     for s, batch, ref in zip(lengths, batches, references):
