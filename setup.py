@@ -3,6 +3,8 @@ from setuptools import find_packages, setup
 # torch_xla's C++ extension is built against one exact torch: pin both together.
 TORCH = ["torch==2.9.0", "torch_xla==2.9.0"]
 CLIENTS = ["transformers==4.57.1", "peft==0.17.1"]
+# The newest client releases, verified with the compat-marked tests (.ci/run's second job).
+NEWEST_CLIENTS = ["transformers==5.23.0", "peft==0.21.2"]
 
 setup(
     name="xla-lora-pass",
@@ -16,6 +18,7 @@ setup(
         "demo": CLIENTS,
         "test": CLIENTS + ["pytest", "hypothesis"],
         "bench": CLIENTS + ["matplotlib"],
+        "compat": NEWEST_CLIENTS + ["pytest", "hypothesis"],
     },
     entry_points={
         # torch.compile(m, backend="xla_lora") finds the backend without an import.

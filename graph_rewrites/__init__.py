@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from .annotations import (BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, SAVED_PARAM, STACKED_A, STACKED_B, STACKED_BIAS,
                           TOKEN_INDICES, GraphInputRequest, LoRAWeightRef, SavedParamRef)
+from .flat_tokens import flat_token_nodes
 from .fuse_shared_shrink import GROUP_SEPARATOR, fuse_shared_shrinks
 from .fx_utils import drop_none_bias, remove_eval_dropout
 from .lora_attach import attach_lora_sites, unserved_base_sites
@@ -40,6 +41,7 @@ def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     changed = (drop_none_bias(gm) + removed) > 0
     # The mapping's layout: the token dims most LoRA sites apply to.
     ctx.token_layout = ctx.report.token_layout = find_token_layout(gm)
+    ctx.flat_token_nodes = frozenset(flat_token_nodes(gm, ctx.token_layout))
     return changed
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 
 @dataclasses.dataclass
@@ -36,6 +36,8 @@ class RewriteContext:
     max_num_tokens: int
     report: "RewriteReport"
     token_layout: Optional[Tuple] = None  # example dims (int/SymInt) the mapping is laid out over
+    # Nodes whose rows are token_layout flattened row-major (flat_tokens.py): OPT's [B*S, H].
+    flat_token_nodes: FrozenSet = frozenset()
     # "auto": the row kernel where the site is on a [B, S] layout (the backend falls back to a "masked"
     # rewrite for mappings that mix adapters within a row); "masked": every slot's columns;
     # "blocked": tokens sorted by slot into row blocks.

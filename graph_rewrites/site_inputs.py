@@ -2,7 +2,8 @@
 
 The token layout is the leading dims shared by most LoRA sites of the graph
 (``[B, S]`` for HF models, ``[T]`` for flattened tokens); the mapping is
-row-major over it.  A site whose input is a row selection of a tensor with
+row-major over it, so a site on that layout flattened row-major (OPT's
+``[B*S, H]``, proven by ``flat_tokens.py``) reads the same indices.  A site whose input is a row selection of a tensor with
 that layout (``hidden[:, -k:, :]`` before ``lm_head``) gets the same
 selection applied to the index grid.
 """
@@ -110,13 +111,15 @@ def site_indices(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx
         return None, "no fake shapes on the graph to tie the site's tokens to the mapping"
     lead = shape[: len(shape) - n_feature_dims]
     idx = _shared_indices(graph, ctx, device)
-    if dims_key(lead) == dims_key(layout):
+    # Row-major [B*S] (flat_tokens.py): the same token order as the layout, so the same indices.
+    if dims_key(lead) == dims_key(layout) or tokens in ctx.flat_token_nodes:
         count = fx_utils.call(graph, "call_method", "size", flat, 0)
         return fx_utils.call(graph, "call_method", "narrow", idx, 0, 0, count), None
     selection = _row_selection(tokens, layout, n_feature_dims)
     if selection is None:
         return None, (f"its token dims {list(dims_key(lead))} are neither the graph's token layout "
-                      f"{list(dims_key(layout))} nor a row selection of it")
+                      f"{list(dims_key(layout))}, a row selection of it, nor (by the graph's own reshapes) "
+                      "that layout flattened row-major")
     source, index = selection
     sizes = [fx_utils.call(graph, "call_method", "size", source, d) for d in range(len(layout))]
     total = sizes[0]

@@ -152,3 +152,24 @@ def count_shrinks(gm: fx.GraphModule) -> int:
 
 def strip_ids(text: str) -> str:
     return re.sub(r"0x[0-9a-f]+", "0x", text)
+
+
+def per_adapter_reference(model, rows, run: Callable):
+    """One eager run per adapter of a PEFT model, row i taken from adapter rows[i]'s run (None: base).
+
+    For layers PEFT's own ``adapter_names=`` cannot serve (OPT's ``[B*S, H]``):
+    ``run(model)`` returns the batch's output; the model itself is left as it was.
+    """
+    import copy
+
+    model = copy.deepcopy(model)
+    outs = {}
+    with torch.no_grad():
+        for name in set(rows):
+            if name is None:
+                with model.disable_adapter():
+                    outs[name] = run(model)
+            else:
+                model.set_adapter(name)
+                outs[name] = run(model)
+    return torch.stack([outs[r][i] for i, r in enumerate(rows)])

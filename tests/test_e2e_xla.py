@@ -38,6 +38,7 @@ def _run(s):
         return s["compiled"](input_ids=s["ids"].to(s["device"])).logits.cpu()
 
 
+@pytest.mark.compat
 def test_mixed_batch_equals_eager_peft_and_every_layer_is_rewritten(setup):
     s = setup
     s["meta"].set_token_adapters(per_sequence_mapping(ROWS, SEQ))

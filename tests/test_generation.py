@@ -55,6 +55,7 @@ def llama(xla_device):
                 mask=mask, refs=refs, device=xla_device)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_peft_generate_on_the_compiled_model_runs_the_rewritten_programs(llama, cache):
     meta, backend = llama["meta"], llama["backend"]
@@ -94,6 +95,7 @@ def _greedy_loop(step, ids, steps):
     return torch.stack([t.cpu() for t in tokens], dim=1)
 
 
+@pytest.mark.compat
 def test_static_cache_decode_loop_with_request_adapters(xla_device):
     """64 decode steps by hand on a StaticCache with set_request_adapters: PEFT's tokens, no compile after step 3."""
     from transformers import DynamicCache

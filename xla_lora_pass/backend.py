@@ -21,7 +21,7 @@ from graph_rewrites.annotations import (LAYOUT_KINDS, POOLED_ROW_SLOTS, ROW_SLOT
                                        STACKED_B_T)
 from graph_rewrites.site_inputs import find_token_layout
 
-from . import config
+from . import config, symbolic_layer_norm
 from .bucketing import Buckets, GraphShapes, evaluate
 from .dump import dump_graphs
 from .errors import UnsupportedMappingError
@@ -343,7 +343,10 @@ def _first_device(args) -> torch.device:
 def make_backend(meta: LoRAMetadata, buckets: Optional[Buckets] = None, inner: Union[str, Callable, None] = None,
                  batch_buckets: Optional[Buckets] = None) -> LoRABackend:
     """The backend for ``torch.compile(model, backend=make_backend(meta))``."""
-    if config.enable_automatic_dynamic_shapes and not torch._dynamo.config.automatic_dynamic_shapes:
+    symbolic_layer_norm.install()  # before Dynamo traces: LayerNorm models need it to bucket
+    # torch_xla turns automatic dynamic shapes off when imported, so every new token count would be a new
+    # static graph (and past recompile_limit, eager).  torch.compile(dynamic=False) still opts out.
+    if not torch._dynamo.config.automatic_dynamic_shapes:
         log.info("turning Dynamo's automatic_dynamic_shapes back on (torch_xla turns it off) for bucketing")
         torch._dynamo.config.automatic_dynamic_shapes = True
     from .xla_cpu_flags import CPU_SCHEDULER_STATUS

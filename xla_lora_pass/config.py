@@ -30,13 +30,6 @@ fallback_on_error = True
 # whenever TORCH_TRACE is set, whatever this says).
 dump_dir = os.environ.get("XLA_LORA_DUMP_DIR") or None
 
-# torch_xla turns Dynamo's automatic dynamic shapes off when it is imported,
-# so every new token count would be a new static graph (and past
-# recompile_limit, eager).  Bucketing needs the token dims symbolic, so
-# make_backend turns it back on.  Set False to keep torch_xla's choice; then
-# pass dynamic=True to torch.compile to get bucketing.
-enable_automatic_dynamic_shapes = True
-
 # The BGMV kernel the pass emits for sites on the graph's token layout.
 # "auto" (default): the row kernel (ops_rows.py) when the mapping gives each
 # row of the [B, S] token grid one adapter (one adapter per request, as PEFT's
