@@ -228,8 +228,9 @@ class CompiledLoRAGraph:
     def graph_for_call(self, token_dims, padded_dims) -> "CompiledLoRAGraph":
         """The per-call kernel choice: the cheapest rewrite of this graph that is exact for the mapping.
 
-        One adapter per row of the token grid: the row kernel (this graph, as
-        "auto" rewrote it); else every block of consecutive tokens on at most
+        Rows of one token (Dynamo's size-1 graph, decoding): the masked
+        kernel.  One adapter per row of the token grid: the row kernel (this
+        graph, as "auto" rewrote it); else every block of consecutive tokens on at most
         ``config.segment_slots_per_block`` slots (requests packed as segments):
         the segment kernel; anything else: the masked kernel.  Results never
         depend on the choice, only cost does.  A graph rewritten with a fixed
@@ -237,21 +238,17 @@ class CompiledLoRAGraph:
         """
         if self.source is None or padded_dims is None:
             return self
+        if padded_dims[-1] < config.row_kernel_min_tokens:
+            return self.variant("masked")  # rows of one token (decoding): neither rows nor segments pay
         if self.backend.warming_kernel is not None:
             return self.variant(self.backend.warming_kernel)
-        if self.uses_rows and self._rows_apply(token_dims, padded_dims):
+        if self.uses_rows and (self.meta.is_warming_up or self.meta.rows_uniform(token_dims)):
             return self
         segments = self.variant("segments")
         if segments.segment_blocks is not None and self.meta.segments_fit(token_dims, padded_dims,
                                                                            *segments.segment_blocks):
             return segments
         return self.variant("masked")
-
-    def _rows_apply(self, token_dims, padded_dims) -> bool:
-        """Whether this call may run the row kernel: one adapter per row, rows long enough."""
-        if padded_dims[-1] < config.row_kernel_min_tokens:
-            return False
-        return self.meta.is_warming_up or self.meta.rows_uniform(token_dims)
 
     def variant(self, kernel: str) -> "CompiledLoRAGraph":
         """This graph rewritten with ``kernel`` ("auto": itself), built once, on first need.
