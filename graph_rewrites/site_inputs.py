@@ -150,6 +150,14 @@ def _row_selection(tokens: fx.Node, layout, n_feature_dims: int):
     return source, token_part
 
 
+def _kernel_on_layout(ctx: RewriteContext, kernel: str, tokens: fx.Node, n_feature_dims: int) -> bool:
+    """Whether ``ctx.kernel`` is ``kernel`` and the site's token dims are the graph's token layout."""
+    shape = _shape(tokens)
+    if ctx.kernel != kernel or shape is None or ctx.token_layout is None:
+        return False
+    return dims_key(shape[: len(shape) - n_feature_dims]) == dims_key(ctx.token_layout)
+
+
 def site_block_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
                       device) -> Optional[Tuple[fx.Node, fx.Node, fx.Node]]:
     """The blocked kernel's (row_token, block_slot, token_row) for a site on the graph's token layout.
@@ -159,10 +167,7 @@ def site_block_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, fla
     inputs are fixed-size buffers; the graph narrows them to this bucket's
     ``ceil(T / BS) + N`` blocks and T tokens.
     """
-    shape = _shape(tokens)
-    if ctx.kernel != "blocked" or shape is None or ctx.token_layout is None:
-        return None
-    if dims_key(shape[: len(shape) - n_feature_dims]) != dims_key(ctx.token_layout):
+    if not _kernel_on_layout(ctx, "blocked", tokens, n_feature_dims):
         return None
     bs, n = ctx.block_size, ctx.num_slots
     max_blocks = -(-ctx.max_num_tokens // bs) + n
@@ -190,10 +195,7 @@ def site_segment_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, f
     fixed-size buffers the graph narrows to ``ceil(T / block_tokens)`` blocks
     and T tokens (``ops_segments.segment_blocks``).
     """
-    shape = _shape(tokens)
-    if ctx.kernel != "segments" or shape is None or ctx.token_layout is None:
-        return None
-    if dims_key(shape[: len(shape) - n_feature_dims]) != dims_key(ctx.token_layout):
+    if not _kernel_on_layout(ctx, "segments", tokens, n_feature_dims):
         return None
     bt, k = ctx.segment_block_tokens, ctx.segment_slots_per_block
     max_blocks = -(-ctx.max_num_tokens // bt)
