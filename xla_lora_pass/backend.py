@@ -248,8 +248,8 @@ class CompiledLoRAGraph:
             return self.variant("masked")  # rows of one token (decoding): neither rows nor segments pay
         if self.backend.warming_kernel is not None:
             return self.variant(self.backend.warming_kernel)
-        if self.uses_rows and (self.meta.is_warming_up or self.meta.rows_uniform(token_dims)):
-            return self
+        if self.meta.is_warming_up or (self.uses_rows and self.meta.rows_uniform(token_dims)):
+            return self  # warming without a named kernel (precompile_generate) warms "auto"'s own programs
         segments = self.variant("segments")
         if segments.segment_blocks is not None and self.meta.segments_fit(token_dims, padded_dims,
                                                                            *segments.segment_blocks):
