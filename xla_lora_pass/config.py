@@ -54,8 +54,8 @@ kernel = "auto"
 # decode step's [B, 1] graph included, where each row's one token is Punica's
 # BGMV case: measured at decode (hidden 512, 4 layers, all-linear r=16, 16
 # adapters, static cache), the row kernel cost 1.32x / 0.92x / 1.20x the base
-# model at batch 1 / 8 / 32 where the masked kernel cost 2.45x / 1.00x / 1.29x
-# (docs/benchmarks.md).  Raise it to send short rows to the masked kernel.
+# model at batch 1 / 8 / 32 (medians) where the masked kernel cost 2.2-2.5x /
+# 1.0-1.2x / 1.25-1.3x (docs/benchmarks.md).  Raise it to send short rows to the masked kernel.
 row_kernel_min_tokens = 1
 
 # The segment kernel (ops_segments.py): tokens per block, and slots (passes) per block.  With 2 passes every
