@@ -42,6 +42,11 @@ ROW_SLOTS = "row_slots"
 POOLED_ROW_SLOTS = "pooled_row_slots"
 # One tensor of a saved module's variant: GraphInputRequest.param = (adapter or None for the original, name).
 SAVED_MODULE_PARAM = "saved_module_param"
+# The segment kernel's per-step layout (xla_lora_pass/ops_segments.py), shared by every site: each block's
+# slots [max_blocks, K] and each token's pass [max_num_tokens].
+SEGMENT_BLOCK_SLOTS = "segment_block_slots"
+SEGMENT_PICK = "segment_pick"
+SEGMENT_KINDS = (SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +84,10 @@ class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
     kind: str  # TOKEN_INDICES, (POOLED_)ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS,
-    # SAVED_MODULE_PARAM or one of LAYOUT_KINDS
+    # SAVED_MODULE_PARAM, LAYOUT_KINDS or SEGMENT_KINDS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32
     param: Optional[Tuple[Optional[str], str]] = None  # SAVED_MODULE_PARAM: (adapter or None, tensor name)
+    # SEGMENT_KINDS: (tokens per block, slots per block) the graph was rewritten for; the layout is built with them.
+    blocks: Tuple[int, ...] = ()
