@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 from . import fx_utils
 from .annotations import BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, STACKED_BIAS, LoRAWeightRef
-from .lora_linear import emit_shrink_expand, stacks_and_base
+from .lora_linear import KERNEL_OPS, emit_shrink_expand, stacks_and_base
 from .report import NearMiss, RewriteContext, SiteRewrite
-from .site_inputs import device_of, site_block_layout, site_indices, site_row_slots, stacked_input
+from .site_inputs import device_of, site_indices, site_kernel_inputs, stacked_input
 
 PATTERN_NAME = "lora_attach"
 
@@ -94,8 +94,7 @@ def _other_kind_use(use: fx.Node, weight: fx.Node, kind: str) -> bool:
 def _expands() -> Tuple:
     """Every expand kernel: each takes the output it adds the delta to as its third argument."""
     ops = torch.ops.xla_lora
-    return (ops.bgmv_expand.default, ops.bgmv_expand_slice.default, ops.bgmv_expand_rows.default,
-            ops.bgmv_expand_blocked.default)
+    return (ops.bgmv_expand_slice.default,) + tuple(getattr(ops, names[1]).default for names in KERNEL_OPS.values())
 
 
 def feeds_lora_expand(node: fx.Node, depth: int = 4) -> bool:
@@ -195,16 +194,17 @@ def _emit(graph: fx.Graph, ctx: RewriteContext, op: BaseOp, ref: LoRAWeightRef, 
                                  shrunk, stacked_b, base2d, idx, True)
         return fx_utils.call(graph, "call_method", "view_as", expanded, y)
     x2d = fx_utils.call(graph, "call_method", "reshape", op.tokens, -1, ref.in_features)
-    row_slots = site_row_slots(graph, ctx, op.tokens, op.n_feature_dims, device)
-    layout = None if row_slots is not None else site_block_layout(graph, ctx, op.tokens, x2d, 1, device)
+    kernel, inputs = site_kernel_inputs(graph, ctx, op.tokens, x2d, op.n_feature_dims, device)
     idx = None
-    if (row_slots is None and layout is None) or ref.lora_bias:
+    if kernel == "masked" or ref.lora_bias:
         idx, reason = site_indices(graph, ctx, op.tokens, x2d, op.n_feature_dims, device)
         if idx is None:
             return reason
+    if kernel == "masked":
+        inputs = (idx,)
     stacked_a, stacked_b, base2d = stacks_and_base(graph, _AsMatch(y), ref, device,
-                                                   transposed=row_slots is not None)
-    _, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, idx, layout, row_slots)
+                                                   transposed=KERNEL_OPS[kernel][2])
+    _, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, kernel, inputs)
     if ref.lora_bias:
         stacked = stacked_input(graph, ref, STACKED_BIAS, (ref.num_slots, ref.out_features), device)
         expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_bias.default,
