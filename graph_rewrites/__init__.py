@@ -15,7 +15,8 @@ import torch.fx as fx
 from .annotations import (LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES,
                           GraphInputRequest, LoRAWeightRef)
 from .fuse_shared_shrink import GROUP_SEPARATOR, fuse_shared_shrinks
-from .fx_utils import drop_none_bias, remove_eval_dropout
+from .fx_utils import (canonicalize_weight_transposes, drop_none_bias, functionalize_fresh_updates,
+                       remove_eval_dropout)
 from .lora_bias import rewrite_lora_bias
 from .lora_embedding import rewrite_lora_embedding
 from .lora_linear import rewrite_lora_linear
@@ -35,15 +36,17 @@ class PassResult:
 
 def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     removed = remove_eval_dropout(gm)
-    changed = (drop_none_bias(gm) + removed) > 0
+    changed = (drop_none_bias(gm) + removed + functionalize_fresh_updates(gm)
+               + canonicalize_weight_transposes(gm)) > 0
     # The mapping's layout: the token dims most LoRA sites apply to.
     ctx.token_layout = ctx.report.token_layout = find_token_layout(gm)
     return changed
 
 
 # name -> pass, in the order they run.  ``normalize`` strips identities the
-# patterns would otherwise need variants for (eval dropout, a None bias) and
-# finds the token layout; the fusion runs after every site is rewritten.
+# patterns would otherwise need variants for (eval dropout, a None bias, an
+# in-place ``+=`` on a fresh result, ``.T`` / ``.transpose(0, 1)`` of a LoRA
+# weight) and finds the token layout; the fusion runs after every site is rewritten.
 PASSES: List[Tuple[str, Callable[[fx.GraphModule, RewriteContext], bool]]] = [
     ("normalize", _normalize),
     ("lora_embedding", rewrite_lora_embedding),

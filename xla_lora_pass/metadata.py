@@ -44,7 +44,9 @@ import torch
 
 from graph_rewrites import GROUP_SEPARATOR
 
-from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
+from .adapters import AdapterWeights, SiteSpec
+from .formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
+from .formats.state import split_state
 from .errors import UnsupportedMappingError
 from .ops_blocked import padded_layout
 
@@ -109,18 +111,22 @@ class LoRAMetadata:
                 f"unknown adapter {adapter!r}; registered: {[s for s in self._slots if s is not None]}"
             ) from None
 
-    def register_adapters(self, model: torch.nn.Module) -> List[str]:
+    def register_adapters(self, model: torch.nn.Module, *, adapter_name: str = DEFAULT_ADAPTER) -> List[str]:
         """Stack every loaded adapter of every LoRA layer of ``model``; return slot names.
 
+        LoRA layers are read by the readers of ``formats`` (PEFT, torchtune,
+        loralib, hand-written modules); ``adapter_name`` names the adapter of
+        the formats that hold one per layer.  A layer that cannot be served
+        exactly is refused here (``UnsupportedAdapterError``, naming it).
         Registering again replaces what was registered before.
         """
-        sites = list(iter_lora_sites(model))
+        sites = list(iter_lora_sites(model, adapter_name))
         if not sites:
             warnings.warn(
                 f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
                 stacklevel=2,
             )
-        names = adapter_names(model) if sites else []
+        names = adapter_names(model, sites) if sites else []
         num_slots = self.max_slots if self.max_slots is not None else len(names)
         if len(names) > num_slots:
             raise ValueError(f"{len(names)} adapters {names} do not fit max_slots={num_slots}")
@@ -167,11 +173,9 @@ class LoRAMetadata:
         if mapping is None:
             return None
         values = set(mapping.unique().tolist())
-        if getattr(module, "disable_adapters", False):
-            active, computes = [], {NO_LORA}
-        else:
-            active = list(getattr(module, "active_adapters", []))
-            computes = {self._slots.index(a) for a in active if a in self._slots}
+        site = self._sites[site_name]
+        active = site.format.computed_adapters(module, site)
+        computes = {self._slots.index(a) for a in active if a in self._slots} if active else {NO_LORA}
         if len(computes) == 1 and values == computes:
             return None
         raise UnsupportedMappingError(
@@ -221,9 +225,13 @@ class LoRAMetadata:
                      config=None) -> int:
         """Load one adapter's weights into its slot (or the first free one); never recompiles.
 
-        ``state`` is a PEFT-style state dict (``<site>.lora_A.weight`` /
-        ``<site>.lora_B.weight``, an adapter name may stand before ``.weight``).
-        The scaling comes from ``scaling`` or from a PEFT ``LoraConfig``.
+        ``state`` is a state dict in the registered layers' own keys (PEFT
+        ``<site>.lora_A.weight``, an adapter name may stand before
+        ``.weight``; torchtune ``<site>.lora_a.weight``; loralib
+        ``<site>.lora_A``; ``formats/``).  The scaling comes from ``scaling``,
+        from a PEFT ``LoraConfig``, or else from the layer's own formula
+        (torchtune's and loralib's alpha over the loaded rank; a hand-written
+        layer's scaling when the rank is its own).
 
         Weights may be of any floating dtype, cast to the site's stack dtype
         (the model's LoRA dtype), and on any device that holds data (CPU, XLA,
@@ -240,15 +248,16 @@ class LoRAMetadata:
         if not self._sites:
             raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
                                "register_adapters(model) with a model that has LoRA layers first")
-        per_site = _split_state(state, self._sites)
+        per_site = split_state(f"load_adapter({name!r})", state, self._sites)
         if not per_site:
             raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
         weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        for site_name, (lora_a, lora_b) in per_site.items():
+        for site_name, roles in per_site.items():
             site = self._sites[site_name]
+            lora_a, lora_b = roles["A"], roles["B"]
             stack_a, _ = self._host_stacks[site_name]
             self._check_loaded(name, site, stack_a, lora_a, lora_b)
-            loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, lora_a.shape[0], scaling, config))
+            loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config))
             weights[site_name] = _host_slot_weights(f"load_adapter({name!r}): {site_name}", loaded, stack_a.dtype)
         with self._lock:
             if name in self._slots:
@@ -562,7 +571,7 @@ class LoRAMetadata:
                 self._stats[key][sub] = self._stats[key].get(sub, 0) + n
 
 
-def _scaling_for(name: str, rank: int, scaling: Optional[float], config) -> float:
+def _scaling_for(name: str, site: SiteSpec, rank: int, scaling: Optional[float], config) -> float:
     if scaling is not None:
         if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
             raise TypeError(f"load_adapter({name!r}): scaling must be a real number, got {scaling!r:.80}")
@@ -572,7 +581,11 @@ def _scaling_for(name: str, rank: int, scaling: Optional[float], config) -> floa
     if config is not None:
         alpha = config.lora_alpha
         return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
-    raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config=")
+    own = site.format.default_scaling(site, rank) if site.format is not None else None
+    if own is not None:
+        return float(own)  # the layer's own formula (torchtune, loralib), or its scaling at its own rank
+    raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config= (site {site.name!r} "
+                     f"has no scaling of its own for rank {rank})")
 
 
 def _host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -592,36 +605,3 @@ def _host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tup
             raise ValueError(f"{where}: {what} has {bad} NaN or inf value(s) (as {dtype}); adapter weights "
                              "must be finite")
     return lora_a, scaled_b
-
-
-def _split_state(state: Mapping[str, torch.Tensor], sites: Mapping[str, SiteSpec]):
-    """Group a PEFT-style state dict by site: {site: (A, B)}; unknown keys are errors."""
-    found: Dict[str, Dict[str, torch.Tensor]] = {}
-    for key, tensor in state.items():
-        if not isinstance(key, str):
-            raise TypeError(f"load_adapter: state keys must be str, got {key!r:.80}")
-        parts = key.split(".")
-        role_at = next((i for i, p in enumerate(parts) if p in ("lora_A", "lora_B", "lora_embedding_A",
-                                                                 "lora_embedding_B")), None)
-        is_embedding = role_at is not None and parts[role_at].startswith("lora_embedding")
-        if role_at is None or not (parts[-1] == "weight" or is_embedding):
-            raise KeyError(f"load_adapter: {key!r} is not a lora_A / lora_B weight")
-        prefix = ".".join(parts[:role_at])
-        site = _match_site(prefix, sites)
-        if site is None:
-            raise KeyError(f"load_adapter: {key!r} names no registered LoRA site")
-        role = "A" if parts[role_at].endswith("A") else "B"
-        found.setdefault(site, {})[role] = tensor
-    out = {}
-    for site, roles in found.items():
-        if set(roles) != {"A", "B"}:
-            raise KeyError(f"load_adapter: site {site!r} has {sorted(roles)} but needs both lora_A and lora_B")
-        out[site] = (roles["A"], roles["B"])
-    return out
-
-
-def _match_site(prefix: str, sites: Mapping[str, SiteSpec]) -> Optional[str]:
-    if prefix in sites:
-        return prefix
-    hits = [s for s in sites if s.endswith("." + prefix) or prefix.endswith("." + s)]
-    return hits[0] if len(hits) == 1 else None

@@ -18,7 +18,7 @@ from graph_rewrites import LORA_WEIGHT, LoRAWeightRef, NearMiss, RewriteContext,
 
 from . import config
 from . import ops  # noqa: F401  (registers torch.ops.xla_lora before any pass runs)
-from .adapters import lora_param_from_source
+from .formats.peft import lora_param_from_source
 from .metadata import LoRAMetadata
 
 log = logging.getLogger(__name__)
