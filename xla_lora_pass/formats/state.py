@@ -24,19 +24,21 @@ def split_state(where: str, state: Mapping[str, torch.Tensor],
     for key, tensor in state.items():
         if not isinstance(key, str):
             raise TypeError(f"{where}: state keys must be str, got {key!r:.80}")
-        hit = None
+        hit, parsed_by_any = None, False
         for reader in readers:
             parsed = reader.split_key(key)
             if parsed is None:
                 continue
+            parsed_by_any = True
             site = match_site(parsed[0], {n: s for n, s in sites.items() if s.format is reader})
             if site is not None:
                 hit = site, parsed[1]
                 break
         if hit is None:
-            forms = ", ".join(sorted({_example_key(s) for s in sites.values()}))
-            raise KeyError(f"{where}: {key!r} names no LoRA weight of a registered site (keys look like {forms}); "
-                           "give the adapter's weights only")
+            forms = ", ".join(sorted({_example_key(s) for s in sites.values()})[:3])
+            what = "names no registered LoRA site" if parsed_by_any else "is not a lora_A / lora_B weight"
+            raise KeyError(f"{where}: {key!r} {what} (this model's keys look like {forms}); give the "
+                           "adapter's weights only")
         found.setdefault(hit[0], {})[hit[1]] = tensor
     for site, roles in found.items():
         if not {"A", "B"} <= set(roles):
