@@ -12,12 +12,13 @@ from typing import Callable, Dict, List, Mapping, Tuple
 
 import torch.fx as fx
 
-from .annotations import (LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES,
+from .annotations import (LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, STACKED_DORA, TOKEN_INDICES,
                           GraphInputRequest, LoRAWeightRef)
 from .fuse_shared_shrink import GROUP_SEPARATOR, fuse_shared_shrinks
 from .fx_utils import (canonicalize_weight_transposes, drop_none_bias, functionalize_fresh_updates,
                        remove_eval_dropout)
 from .lora_bias import rewrite_lora_bias
+from .lora_dora import rewrite_lora_dora
 from .lora_embedding import rewrite_lora_embedding
 from .lora_linear import rewrite_lora_linear
 from .report import NearMiss, RewriteContext, RewriteReport, SiteRewrite
@@ -51,6 +52,7 @@ PASSES: List[Tuple[str, Callable[[fx.GraphModule, RewriteContext], bool]]] = [
     ("normalize", _normalize),
     ("lora_embedding", rewrite_lora_embedding),
     ("lora_bias", rewrite_lora_bias),
+    ("lora_dora", rewrite_lora_dora),
     ("lora_linear", rewrite_lora_linear),
     ("fuse_shared_shrink", fuse_shared_shrinks),
 ]
@@ -82,7 +84,8 @@ def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, LoRAWeightRef]:
 
 
 __all__ = [
-    "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A", "STACKED_B", "STACKED_BIAS", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
+    "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A", "STACKED_B", "STACKED_BIAS", "STACKED_DORA",
+    "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
     "NearMiss", "PASSES", "PassResult", "RewriteContext", "RewriteReport", "SiteRewrite", "run_passes",
     "unrewritten_lora_weights",
 ]

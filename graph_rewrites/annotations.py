@@ -25,6 +25,8 @@ STACKED_B = "stacked_b"
 STACKED_A_T = "stacked_a_t"
 STACKED_B_T = "stacked_b_t"
 STACKED_BIAS = "stacked_bias"
+# DoRA's per-slot [N, 2, out] rescaling (gain m/||W + sBA|| - 1, and gain * base bias); zeros for other slots.
+STACKED_DORA = "stacked_dora"
 # The blocked kernel's per-step layout (xla_lora_pass/ops_blocked.py), shared by every site.
 LAYOUT_ROW_TOKEN = "layout_row_token"
 LAYOUT_BLOCK_SLOT = "layout_block_slot"
@@ -40,7 +42,7 @@ class LoRAWeightRef:
 
     site: str
     adapter: str
-    role: str  # "A", "B" or "bias"
+    role: str  # "A", "B", "bias" or "magnitude" (DoRA)
     kind: str  # "linear" or "embedding"
     in_features: int
     out_features: int
@@ -49,13 +51,14 @@ class LoRAWeightRef:
     stacked_rank: int  # the site's max rank over all slots
     dtype: torch.dtype
     unsupported: Optional[str] = None  # why the site can never be rewritten
+    dora: bool = False  # some slot of the site is a DoRA adapter: every rewrite of it rescales per token
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
-    kind: str  # TOKEN_INDICES, ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS or one of LAYOUT_KINDS
+    kind: str  # TOKEN_INDICES, ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS, STACKED_DORA or LAYOUT_KINDS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32

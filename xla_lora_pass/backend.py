@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 import torch
 import torch.fx as fx
 
-from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport,
+from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, STACKED_DORA, TOKEN_INDICES, RewriteReport,
                             unrewritten_lora_weights)
 from graph_rewrites.annotations import LAYOUT_KINDS, ROW_SLOTS, STACKED_A_T, STACKED_B_T
 from graph_rewrites.site_inputs import find_token_layout
@@ -308,6 +308,8 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
             extras.append(meta.stacked_b(req.site, device))
         elif req.kind == STACKED_BIAS:
             extras.append(meta.stacked_bias(req.site, device))
+        elif req.kind == STACKED_DORA:
+            extras.append(meta.stacked_dora(req.site, device))
         elif req.kind in LAYOUT_KINDS:
             extras.append(meta.block_layout(device, token_dims, padded_dims)[LAYOUT_KINDS.index(req.kind)])
         else:

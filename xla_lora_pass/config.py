@@ -10,6 +10,7 @@ passes = {
     "normalize": True,
     "lora_embedding": True,
     "lora_bias": True,
+    "lora_dora": True,
     "lora_linear": True,
     "fuse_shared_shrink": True,
 }

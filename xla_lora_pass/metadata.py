@@ -45,6 +45,7 @@ import torch
 from graph_rewrites import GROUP_SEPARATOR
 
 from .adapters import AdapterWeights, SiteSpec
+from .dora import dora_rows, stack_dora
 from .formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
 from .formats.state import split_state
 from .errors import UnsupportedMappingError
@@ -72,6 +73,7 @@ class LoRAMetadata:
         self._host_stacks: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._device_stacks: Dict[Tuple[str, str, str], torch.Tensor] = {}  # (site, role, device)
         self._host_bias: Dict[str, torch.Tensor] = {}
+        self._host_dora: Dict[str, torch.Tensor] = {}  # [N, 2, out] per site holding a DoRA adapter (dora.py)
         self._mapping: Optional[torch.Tensor] = None
         self._index_cache: Dict[tuple, torch.Tensor] = {}  # device index tensors per mapping and bucket
         self._uniform_cache: Dict[tuple, bool] = {}  # rows_uniform per mapping and token dims
@@ -133,12 +135,14 @@ class LoRAMetadata:
         with self._lock:
             slots = list(names) + [None] * (num_slots - len(names))
             host_stacks = {s.name: self._stack_site(s, slots) for s in sites}
+            host_dora = {s.name: stack_dora(s, slots) for s in sites if s.has_dora}
             self._slots = slots
             self._sites = {s.name: s for s in sites}
             self.refresh_param_index()
             self._host_stacks = host_stacks
             self._host_bias = {s.name: self._stack_bias(s, slots) for s in sites
                                if any(w.bias is not None for w in s.adapters.values())}
+            self._host_dora = host_dora
             self._device_stacks.clear()
             if self._sharding is not None:
                 self._sharding.forget()
@@ -252,13 +256,22 @@ class LoRAMetadata:
         if not per_site:
             raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
         weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        dora: Dict[str, torch.Tensor] = {}
         for site_name, roles in per_site.items():
             site = self._sites[site_name]
             lora_a, lora_b = roles["A"], roles["B"]
             stack_a, _ = self._host_stacks[site_name]
+            where = f"load_adapter({name!r}): {site_name}"
             self._check_loaded(name, site, stack_a, lora_a, lora_b)
-            loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config))
-            weights[site_name] = _host_slot_weights(f"load_adapter({name!r}): {site_name}", loaded, stack_a.dtype)
+            loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config),
+                                    magnitude=roles.get("magnitude"))
+            weights[site_name] = _host_slot_weights(where, loaded, stack_a.dtype)
+            if loaded.magnitude is not None:
+                if site_name not in self._host_dora:
+                    raise ValueError(f"{where}: a DoRA adapter, but the site was registered without one, so its "
+                                     "compiled graphs do not rescale per slot; register the model with a DoRA "
+                                     "adapter at this site (PEFT use_dora=True)")
+                dora[site_name] = dora_rows(where, site, loaded)
         with self._lock:
             if name in self._slots:
                 slot = self._slots.index(name)
@@ -278,6 +291,8 @@ class LoRAMetadata:
                     stack_b[slot].zero_()
             for bias in self._host_bias.values():
                 bias[slot].zero_()  # a loaded adapter brings no LoRA bias
+            for site_name, rows in self._host_dora.items():
+                rows[slot] = dora.get(site_name, 0.0)  # zeros: a plain LoRA slot, left as the expand made it
             # Fresh transfers at the next call rather than in-place device writes: no program to compile.
             self._device_stacks.clear()
         return slot
@@ -372,6 +387,14 @@ class LoRAMetadata:
                 self._device_stacks[key] = self._host_bias[site_name].to(device)
                 if self._sharding is not None and torch.device(device).type == "xla":
                     self._sharding.place_bias(site_name, self._device_stacks[key])
+            return self._device_stacks[key]
+
+    def stacked_dora(self, site_name: str, device) -> torch.Tensor:
+        """The site's per-slot DoRA rescaling ``[N, 2, out]`` (gain, shift; dora.py) on ``device``, replicated."""
+        key = (site_name, "dora", str(device))
+        with self._lock:
+            if key not in self._device_stacks:
+                self._device_stacks[key] = self._host_dora[site_name].to(device)
             return self._device_stacks[key]
 
     def shard(self, mesh, layout=None, *, axis: Optional[str] = None, both: bool = False):

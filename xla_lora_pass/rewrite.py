@@ -108,7 +108,7 @@ def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: Lo
             site=site_name, adapter=adapter, role=role, kind=site.kind,
             in_features=site.in_features, out_features=site.out_features, scaling=weights.scaling,
             num_slots=meta.num_slots, stacked_rank=meta.site_rank(site_name), dtype=weights.lora_a.dtype,
-            unsupported=site.unsupported,
+            unsupported=site.unsupported, dora=site.has_dora,
         )
         found += 1
     return found

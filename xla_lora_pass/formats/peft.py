@@ -40,7 +40,7 @@ def _unsupported_reason(module, adapter: str, kind: str) -> Optional[str]:
         if kind == "embedding":
             return ("DoRA on an embedding: PEFT's DoRA embedding forward builds a Parameter inside forward, "
                     "which breaks Dynamo's graph there")
-        return "DoRA: the output is rescaled by a per-column weight norm of W + BA"
+        return None
     if variant is not None:
         return f"LoRA variant {type(variant).__name__} changes the forward"
     return None
