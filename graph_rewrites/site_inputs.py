@@ -189,8 +189,9 @@ def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feat
     the row kernel is off, the layout is flat (``[T]``: a row would be one
     token, a per-token weight gather), rows are a static length under
     ``ctx.row_kernel_min_tokens`` (Dynamo's size-1 graph for decoding), or
-    the site's tokens are not the layout's (a row selection keeps the token
-    indices).  The input is a ``[max_num_tokens]`` buffer the graph narrows to B.
+    the site's tokens are neither the layout's nor another stack of the same
+    rows (a row selection keeps the token indices).  The input is a
+    ``[max_num_tokens]`` buffer the graph narrows to B.
     """
     shape = _shape(tokens)
     layout = ctx.token_layout
@@ -198,7 +199,8 @@ def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feat
         return None
     if not isinstance(layout[-1], torch.SymInt) and int(layout[-1]) < ctx.row_kernel_min_tokens:
         return None
-    if dims_key(shape[: len(shape) - n_feature_dims]) != dims_key(layout):
+    lead = shape[: len(shape) - n_feature_dims]
+    if dims_key(lead) != dims_key(layout) and not _other_stack(tokens, lead, layout, n_feature_dims):
         return None
     slots = fx_utils.get_or_add_input(graph, f"lora_{ROW_SLOTS}", GraphInputRequest(ROW_SLOTS, None,
                                                                                    (ctx.max_num_tokens,)), device)
@@ -207,6 +209,21 @@ def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feat
         rows = fx_utils.call(graph, "call_function", operator.mul, rows,
                              fx_utils.call(graph, "call_method", "size", tokens, d))
     return fx_utils.call(graph, "call_method", "narrow", slots, 0, 0, rows)
+
+
+def _other_stack(tokens: fx.Node, lead, layout, n_feature_dims: int) -> bool:
+    """Whether a site's tokens are the layout's rows at another length: ``[B, S2]`` or a pooled ``[B]``.
+
+    An encoder and a decoder of different lengths in one graph (T5), or a
+    head on one pooled token per row.  Row b of such a site belongs to the
+    same request as row b of the layout, so the row kernel gives it that
+    row's slot; a row selection of the layout (``h[:, -1:]``) is not one.
+    """
+    if len(layout) < 2 or len(lead) not in (len(layout) - 1, len(layout)):
+        return False
+    if dims_key(lead[: len(layout) - 1]) != dims_key(layout[:-1]):
+        return False
+    return _row_selection(tokens, layout, n_feature_dims) is None
 
 
 def stacked_input(graph: fx.Graph, ref: LoRAWeightRef, kind: str, shape, device) -> fx.Node:

@@ -141,3 +141,18 @@ def test_two_metadata_objects_share_nothing(model_and_names):
     one.set_token_adapters(["sql"])
     assert two.slots == [] and two.mapping() is None and two.lookup(
         model_and_names[0].get_submodule(Q0).lora_A["sql"].weight) is None
+
+
+def test_site_base_weight_is_read_from_the_live_module(model_and_names, meta):
+    """The pass finds a site through its base weight: the live tensor, also after a Parameter swap."""
+    layer = model_and_names[0].get_submodule(Q0)
+    site = meta.sites[Q0]
+    assert site.base_weight() is layer.base_layer.weight
+    old = layer.base_layer.weight
+    try:
+        layer.base_layer.weight = torch.nn.Parameter(old.detach().clone())
+        assert site.base_weight() is layer.base_layer.weight and site.base_weight() is not old
+    finally:
+        layer.base_layer.weight = old
+    import dataclasses
+    assert dataclasses.replace(site, base_weight_attr=None).base_weight() is None

@@ -42,6 +42,22 @@ class SiteSpec:
     module: Optional[torch.nn.Module] = dataclasses.field(default=None, repr=False)
     # The reader (formats/) that made this record: it knows the module's parameters and state-dict keys.
     format: Any = dataclasses.field(default=None, repr=False)
+    # Dotted attribute path, from ``module``, of the base layer's weight: how the pass finds the
+    # site in a graph whatever adapter is active ("base_layer.weight" for PEFT, "weight" for a
+    # module that is its own base layer).  None: the site can only be found through its LoRA branch.
+    base_weight_attr: Optional[str] = "base_layer.weight"
+
+    def base_weight(self) -> Optional[torch.Tensor]:
+        """The base layer's weight, read from the live module (None if unknown).
+
+        Read anew each time, as ``param_roles``: ``model.to(device)`` replaces it.
+        """
+        if self.module is None or self.base_weight_attr is None:
+            return None
+        obj = self.module
+        for part in self.base_weight_attr.split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None
 
     def param_roles(self) -> Dict[int, Tuple[str, str]]:
         """id(parameter) -> (adapter, role), read from the live module.

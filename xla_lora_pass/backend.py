@@ -25,6 +25,7 @@ from . import config
 from .bucketing import Buckets, GraphShapes, evaluate
 from .dump import dump_graphs
 from .errors import UnsupportedMappingError
+from .generation import attach_backend
 from .metadata import LoRAMetadata
 from .rewrite import copy_graph_module, rewrite
 
@@ -155,7 +156,6 @@ class CompiledLoRAGraph:
     def _check_mapping(self, token_dims) -> None:
         if self.meta.is_warming_up:
             return  # precompile: every token on the base model, whatever the call's size
-        mapping = self.meta.mapping()
         want = math.prod(token_dims) if token_dims is not None else None
         # Before the mapping checks: no mapping can be that long, so its length is not the news.
         if want is not None and want > self.meta.max_num_tokens:
@@ -163,21 +163,19 @@ class CompiledLoRAGraph:
                 f"this call has {want} tokens (token dims {list(token_dims)}), more than "
                 f"max_num_tokens={self.meta.max_num_tokens}; split the batch or create the LoRAMetadata with a "
                 "larger max_num_tokens")
-        if self.report.sites and mapping is None:
+        if self.report.sites and not self.meta.has_mapping:
             raise UnsupportedMappingError(
-                "no token mapping: call meta.set_token_adapters([...]) before running the compiled model")
-        if want is not None and mapping is not None and mapping.numel() != want:
-            raise UnsupportedMappingError(
-                f"the token mapping has {mapping.numel()} entries but this call has {want} tokens "
-                f"(token dims {list(token_dims)}); set one entry per flattened token")
-        if self.leftovers and mapping is not None:
-            self._check_uniform(mapping)
+                "no adapter mapping: call meta.set_request_adapters([...]) (one entry per batch row) or "
+                "meta.set_token_adapters([...]) (one per token) before running the compiled model")
+        if token_dims is not None:
+            self.meta.token_mapping(token_dims)  # refuses a mapping that does not fit this call
+        if self.leftovers and self.meta.has_mapping:
+            self._check_uniform(self.meta.mapped_slots())
 
-    def _check_uniform(self, mapping: torch.Tensor) -> None:
-        """Layers left alone compute their active adapter for every token: accept only that."""
+    def _check_uniform(self, values: set) -> None:
+        """Layers left alone compute their active adapter for every token: accept only ``values`` == that."""
         active = {ref.adapter for ref in self.leftovers.values()}
         slots = {self.meta.slots.index(a) if a in self.meta.slots else None for a in active}
-        values = set(mapping.unique().tolist())
         if len(slots) == 1 and None not in slots and values == slots:
             return
         reasons = {n.site: n.reason for n in self.report.near_misses}
@@ -335,4 +333,6 @@ def make_backend(meta: LoRAMetadata, buckets: Optional[Buckets] = None, inner: U
         log.warning("XLA:CPU started before xla_lora_pass was imported, so it keeps its breadth-first scheduler, "
                     "measured 1.4x slower on LoRA graphs here: import xla_lora_pass before the first "
                     "torch_xla.device(), or set XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false")
-    return LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets)
+    backend = LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets)
+    attach_backend(meta, backend)  # the registered model's generate runs through it (generation.py)
+    return backend

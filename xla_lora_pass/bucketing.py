@@ -236,13 +236,19 @@ def _token_dims(node, symbols) -> Optional[List[bool]]:
 def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
     """Why padding ``symbols`` could change a real result, or None.
 
-    Two shapes are caught: a reduction or scan over a token dim, and indexing
-    a token dim from its end (``h[:, -1:]``: after padding, the end is padding).
+    Three shapes are caught: a reduction or scan over a token dim, indexing
+    a token dim from its end (``h[:, -1:]``: after padding, the end is
+    padding), and an in-place write into a graph input that involves a token
+    dim (a KV cache's ``index_copy_`` at padded ``cache_position`` values would
+    overwrite real positions, and a padded input is a copy, so its write would
+    be lost).
     """
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or not node.args:
             continue
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if _writes_input(node, name) and any(any(_token_dims(a, symbols) or ()) for a in node.all_input_nodes):
+            return f"{node.format_node()} writes a graph input in place with a token dim"
         on_tokens = _token_dims(node.args[0], symbols)
         if not on_tokens or not any(on_tokens):
             continue
@@ -263,6 +269,13 @@ def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
             if isinstance(d, int) and on_tokens[d] and isinstance(start, int) and start < 0:
                 return f"{node.format_node()} indexes a token dim from its end"
     return None
+
+
+def _writes_input(node: fx.Node, name: str) -> bool:
+    """An in-place op (``index_copy_``, ``t[i] = v``) whose target is a graph input."""
+    in_place = name == "setitem" or (name.endswith("_") and not name.startswith("_"))
+    target = node.args[0]
+    return in_place and isinstance(target, fx.Node) and target.op == "placeholder"
 
 
 def _from_end(entry) -> bool:

@@ -49,6 +49,7 @@ from .dora import dora_rows, stack_dora
 from .formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
 from .formats.state import split_state
 from .errors import UnsupportedMappingError
+from .generation import route_generate
 from .ops_blocked import padded_layout
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class LoRAMetadata:
         self._device_stacks: Dict[Tuple[str, str, str], torch.Tensor] = {}  # (site, role, device)
         self._host_bias: Dict[str, torch.Tensor] = {}
         self._host_dora: Dict[str, torch.Tensor] = {}  # [N, 2, out] per site holding a DoRA adapter (dora.py)
-        self._mapping: Optional[torch.Tensor] = None
+        self._mapping: Optional[torch.Tensor] = None  # per token (set_token_adapters)
+        self._request_rows: Optional[torch.Tensor] = None  # per batch row (set_request_adapters)
         self._index_cache: Dict[tuple, torch.Tensor] = {}  # device index tensors per mapping and bucket
         self._uniform_cache: Dict[tuple, bool] = {}  # rows_uniform per mapping and token dims
         self._lock = threading.Lock()
@@ -147,9 +149,11 @@ class LoRAMetadata:
             if self._sharding is not None:
                 self._sharding.forget()
             # Slot numbers may now mean other adapters: an old mapping would pick the wrong ones.
-            self._mapping = None
+            self._mapping = self._request_rows = None
             self._drop_mapping_caches()
             self._install_eager_guards(sites)
+        if sites:
+            route_generate(self, model)  # HF's generate never calls the compiled module: generation.py
         log.info("registered %d LoRA sites, slots %s", len(sites), self._slots)
         return list(names)
 
@@ -173,10 +177,9 @@ class LoRAMetadata:
     def _eager_guard(self, site_name: str, module, args, kwargs, output):
         if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
             return None  # traced, or PEFT's own mixed-batch path, which is exact
-        mapping = self._mapping
-        if mapping is None:
+        values = self.mapped_slots()
+        if values is None:
             return None
-        values = set(mapping.unique().tolist())
         site = self._sites[site_name]
         active = site.format.computed_adapters(module, site)
         computes = {self._slots.index(a) for a in active if a in self._slots} if active else {NO_LORA}
@@ -185,7 +188,7 @@ class LoRAMetadata:
         raise UnsupportedMappingError(
             f"LoRA layer {site_name} is running eagerly (outside a compiled graph: a graph break, or Dynamo "
             f"past its recompile limit), where it computes its active adapter {active} for every token; the "
-            f"token mapping uses slots {sorted(values)}. Set a uniform mapping on the active adapter, or "
+            f"mapping uses slots {sorted(values)}. Set a uniform mapping on the active adapter, or "
             "fix the graph break (TORCH_LOGS=graph_breaks,recompiles)")
 
     def _site_rank(self, site: SiteSpec) -> int:
@@ -427,22 +430,43 @@ class LoRAMetadata:
 
     # --------------------------------------------------------------- mapping
     def set_token_adapters(self, mapping: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
-        """Set each flattened token's adapter: a name, a slot number, or None / -1 for base."""
-        indices = self._to_indices(mapping)
+        """Set each flattened token's adapter: a name, a slot number, or None / -1 for base.
+
+        Valid for calls with exactly that many tokens; replaces a request mapping.
+        """
+        indices = self._to_indices(mapping, "set_token_adapters", "token")
+        if len(indices) > self.max_num_tokens:
+            raise ValueError(f"set_token_adapters: {len(indices)} tokens exceed max_num_tokens={self.max_num_tokens}")
         with self._lock:
-            self._mapping = indices
+            self._mapping, self._request_rows = indices, None
             self._drop_mapping_caches()
 
-    def _to_indices(self, mapping) -> torch.Tensor:
+    def set_request_adapters(self, rows: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
+        """Set each batch row's adapter (a name, a slot number, or None / -1 for base), for every later call.
+
+        Each compiled graph lays the rows over its own token dims: every token
+        of row b (``[B, S]`` prompts, ``[B, 1]`` decode steps, a pooled
+        ``[B]``, an encoder and a decoder of different lengths) uses
+        ``rows[b]``, until the next ``set_request_adapters`` or
+        ``set_token_adapters``.  A call whose batch is not ``len(rows)`` is refused.
+        """
+        indices = self._to_indices(rows, "set_request_adapters", "row")
+        if not len(indices):
+            raise ValueError("set_request_adapters: give one entry per batch row, got none")
+        if len(indices) > self.max_num_tokens:
+            raise ValueError(f"set_request_adapters: {len(indices)} rows exceed max_num_tokens={self.max_num_tokens}")
+        with self._lock:
+            self._mapping, self._request_rows = None, indices
+            self._drop_mapping_caches()
+
+    def _to_indices(self, mapping, caller: str, unit: str) -> torch.Tensor:
         if isinstance(mapping, torch.Tensor):
             if mapping.dim() != 1 or mapping.dtype.is_floating_point or mapping.dtype == torch.bool:
-                raise TypeError(f"set_token_adapters: expected a 1-d integer tensor, got {mapping.dtype} "
+                raise TypeError(f"{caller}: expected a 1-d integer tensor, got {mapping.dtype} "
                                 f"{list(mapping.shape)}")
             mapping = mapping.tolist()
         elif isinstance(mapping, (str, bytes)) or not isinstance(mapping, Sequence):
-            raise TypeError(f"set_token_adapters: expected a sequence with one entry per token, got {mapping!r:.80}")
-        if len(mapping) > self.max_num_tokens:
-            raise ValueError(f"set_token_adapters: {len(mapping)} tokens exceed max_num_tokens={self.max_num_tokens}")
+            raise TypeError(f"{caller}: expected a sequence with one entry per {unit}, got {mapping!r:.80}")
         names = {name: slot for slot, name in enumerate(self._slots) if name is not None}
         out = []
         for pos, entry in enumerate(mapping):
@@ -450,28 +474,29 @@ class LoRAMetadata:
                 out.append(NO_LORA)
             elif isinstance(entry, str):
                 if entry not in names:
-                    raise KeyError(f"set_token_adapters: token {pos}: unknown adapter {entry!r}; "
+                    raise KeyError(f"{caller}: {unit} {pos}: unknown adapter {entry!r}; "
                                    f"registered: {sorted(names)}")
                 out.append(names[entry])
             elif isinstance(entry, numbers.Integral) and not isinstance(entry, bool):
                 entry = int(entry)  # numpy integers too
                 if entry != NO_LORA and not (0 <= entry < self.num_slots and self._slots[entry] is not None):
-                    raise ValueError(f"set_token_adapters: token {pos}: slot {entry} is not a loaded slot; "
+                    raise ValueError(f"{caller}: {unit} {pos}: slot {entry} is not a loaded slot; "
                                      f"valid: -1 and {[s for s, n in enumerate(self._slots) if n is not None]}")
                 out.append(entry)
             else:
-                raise TypeError(f"set_token_adapters: token {pos}: expected str, int or None, got {entry!r:.80}")
+                raise TypeError(f"{caller}: {unit} {pos}: expected str, int or None, got {entry!r:.80}")
         return torch.tensor(out, dtype=torch.int32)
 
     @contextlib.contextmanager
     def warming_up(self):
         """Within: compiled graphs skip the mapping checks and every token is on the base model."""
-        saved, self._mapping, self._warming = self._mapping, None, True
+        saved = self._mapping, self._request_rows
+        self._mapping, self._request_rows, self._warming = None, None, True
         self._drop_mapping_caches()
         try:
             yield self
         finally:
-            self._mapping, self._warming = saved, False
+            (self._mapping, self._request_rows), self._warming = saved, False
             self._drop_mapping_caches()
 
     @property
@@ -480,12 +505,52 @@ class LoRAMetadata:
 
     @property
     def num_tokens(self) -> Optional[int]:
-        """Length of the current mapping (None before the first ``set_token_adapters``)."""
+        """Length of the current token mapping (None without one, e.g. under a request mapping)."""
         return None if self._mapping is None else int(self._mapping.numel())
 
+    @property
+    def has_mapping(self) -> bool:
+        """Whether a token or a request mapping is set."""
+        return self._mapping is not None or self._request_rows is not None
+
     def mapping(self) -> Optional[torch.Tensor]:
-        """The current host int32 token indices."""
+        """The current host int32 token indices (None under a request mapping: see ``token_mapping``)."""
         return self._mapping
+
+    def request_adapters(self) -> Optional[torch.Tensor]:
+        """The current host int32 slot of each batch row (None unless ``set_request_adapters`` set it)."""
+        return self._request_rows
+
+    def mapped_slots(self) -> Optional[set]:
+        """The slots (and -1) the current mapping uses, or None without a mapping."""
+        current = self._mapping if self._mapping is not None else self._request_rows
+        return None if current is None else set(current.unique().tolist())
+
+    def token_mapping(self, real_dims: Tuple[int, ...]) -> Optional[torch.Tensor]:
+        """Host int32 indices, one per token of a call with token dims ``real_dims`` (row-major).
+
+        A request mapping is laid over the dims: row b's slot for every token
+        of row b (``real_dims[0]`` must be the number of rows).  None without
+        a mapping.  Raises ``UnsupportedMappingError`` naming both sizes when
+        the mapping does not fit this call.
+        """
+        real_dims = tuple(int(d) for d in real_dims)
+        want = math.prod(real_dims)
+        rows = self._request_rows
+        if rows is not None:
+            if not real_dims or real_dims[0] != rows.numel():
+                raise UnsupportedMappingError(
+                    f"the request mapping has {rows.numel()} rows but this call has a batch of "
+                    f"{real_dims[0] if real_dims else 0} (token dims {list(real_dims)}); call "
+                    "set_request_adapters with one entry per batch row")
+            return rows.repeat_interleave(want // rows.numel()) if want else rows[:0]
+        mapping = self._mapping
+        if mapping is not None and mapping.numel() != want:
+            raise UnsupportedMappingError(
+                f"the token mapping has {mapping.numel()} entries but this call has {want} tokens "
+                f"(token dims {list(real_dims)}); set one entry per flattened token, or one per batch row "
+                "with set_request_adapters")
+        return mapping
 
     def token_indices(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]) -> torch.Tensor:
         """Device int32 indices ``[max_num_tokens]`` laid out for ``padded_dims``.
@@ -505,7 +570,7 @@ class LoRAMetadata:
 
     def _padded_grid(self, real_dims, padded_dims) -> torch.Tensor:
         """Host int32 indices of the padded bucket, flattened: the mapping, -1 on padding."""
-        mapping = self._mapping
+        mapping = self.token_mapping(real_dims)
         if mapping is None:
             mapping = torch.full((math.prod(real_dims),), NO_LORA, dtype=torch.int32)
         grid = torch.full(tuple(padded_dims), NO_LORA, dtype=torch.int32)
@@ -529,7 +594,9 @@ class LoRAMetadata:
             cached = self._uniform_cache.get(key)
             if cached is None:
                 mapping = self._mapping
-                if mapping is None or len(real_dims) < 2 or mapping.numel() != math.prod(real_dims):
+                if self._request_rows is not None:
+                    cached = True  # one adapter per request: every row is uniform
+                elif mapping is None or len(real_dims) < 2 or mapping.numel() != math.prod(real_dims):
                     cached = mapping is None  # every token on the base model is uniform
                 else:
                     grid = mapping.reshape(-1, real_dims[-1])

@@ -158,8 +158,8 @@ class AdapterSharding:
         import torch_xla
 
         site = self.meta.sites[site_name]
-        weight = _base_weight(site.module)
-        if weight is None or weight.device.type != "xla":
+        weight = site.base_weight()
+        if weight is None or weight.dim() != 2 or weight.device.type != "xla":
             return REPLICATED
         tiles = tile_dims(torch_xla._XLAC._get_xla_sharding_spec(weight))
         if tiles is None:
@@ -227,14 +227,6 @@ class AdapterSharding:
         import torch_xla.distributed.spmd as xs
 
         xs.mark_sharding(bias, self.mesh, self.bias_spec(site_name))
-
-
-def _base_weight(module) -> Optional[torch.Tensor]:
-    if module is None:
-        return None
-    base = module.get_base_layer() if hasattr(module, "get_base_layer") else getattr(module, "base_layer", module)
-    weight = getattr(base, "weight", None)
-    return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def _out_dim(site, weight: torch.Tensor) -> int:

@@ -42,7 +42,7 @@ class AdapterFormat:
         return None
 
     def base_parameters(self, module) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """The base layer's weight as ``[out, in]`` and its bias (None when absent)."""
+        """The base layer's weight as ``[out, in]`` and its bias (None when absent); DoRA folds them."""
         return getattr(module, "weight", None), getattr(module, "bias", None)
 
 
@@ -71,7 +71,11 @@ class OneAdapterFormat(AdapterFormat):
                 f"{list(lora_a.shape)} and {list(lora_b.shape)}")
         weights = AdapterWeights(lora_a, lora_b, float(self.scaling_of(module)))
         return SiteSpec(path, self.kind_of(module), lora_a.shape[1], lora_b.shape[0], {adapter_name: weights},
-                        module=module)
+                        module=module, base_weight_attr=self.base_weight_attr(module))
+
+    def base_weight_attr(self, module) -> Optional[str]:
+        """The dotted path of the base layer's weight from the layer (``SiteSpec.base_weight_attr``)."""
+        return "weight" if isinstance(getattr(module, "weight", None), torch.Tensor) else None
 
     def kind_of(self, module) -> str:
         return "linear"

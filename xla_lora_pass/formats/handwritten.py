@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numbers
 
+import torch
 import torch.nn as nn
 
 from .base import OneAdapterFormat, UnsupportedAdapterError
@@ -62,6 +63,12 @@ class HandwrittenFormat(OneAdapterFormat):
             f"hand-written LoRA layer {type(module).__name__} has {' and '.join(self._pair(module))} but no scaling: "
             "give it a number attribute `scaling` (or `alpha` and `rank`), the factor its forward multiplies "
             "the delta by")
+
+    def base_weight_attr(self, module):
+        for child in ("base", "base_layer", "linear"):
+            if isinstance(getattr(module._modules.get(child), "weight", None), torch.Tensor):
+                return f"{child}.weight"
+        return super().base_weight_attr(module)
 
     def read(self, path, module, adapter_name):
         try:

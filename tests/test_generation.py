@@ -1,0 +1,165 @@
+"""Issue 14: PEFT's generate on the compiled model, a hand-written static-cache decode loop, and T5, on XLA.
+
+Every reference is eager PEFT on the CPU with ``adapter_names=`` (its own
+mixed batch), computed before the model moves to the XLA device.
+"""
+import pytest
+import torch
+
+import xla_lora_pass as xlp
+from xla_lora_pass.demo_models import tiny_peft_llama
+from xla_lora_pass.generation import static_cache
+
+from .xla_utils import xla_compiles
+
+ROWS = ["sql", "chat", None, "code"]
+ROTATIONS = [ROWS, ROWS[1:] + ROWS[:1], ROWS[2:] + ROWS[:2]]
+NEW_TOKENS = 16
+CACHES = {"dynamic": {}, "static": {"cache_implementation": "static"}}
+
+
+def _names(rows):
+    return ["__base__" if r is None else r for r in rows]
+
+
+def _prompts():
+    """Four left-padded prompts of lengths 6, 4, 5 and 3."""
+    ids = torch.randint(3, 128, (4, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 2, 1, 3)):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, rows, cache, device=None):
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+              adapter_names=_names(rows), **CACHES[cache])
+    if device is not None:
+        kw.update(input_ids=ids.to(device), attention_mask=mask.to(device))
+    with torch.no_grad():
+        return model.generate(**kw).cpu()
+
+
+@pytest.fixture(scope="module")
+def llama(xla_device):
+    torch._dynamo.reset()
+    model, _ = tiny_peft_llama()
+    ids, mask = _prompts()
+    refs = {(cache, i): _generate(model, ids, mask, rows, cache) for cache in CACHES
+            for i, rows in enumerate(ROTATIONS)}
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    backend = xlp.make_backend(meta)
+    return dict(model=model, meta=meta, backend=backend, compiled=torch.compile(model, backend=backend), ids=ids,
+                mask=mask, refs=refs, device=xla_device)
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_peft_generate_on_the_compiled_model_runs_the_rewritten_programs(llama, cache):
+    meta, backend = llama["meta"], llama["backend"]
+    for i, rows in enumerate(ROTATIONS):
+        steps_before, compiles_before = sum(meta.stats["bucket_hits"].values()), xla_compiles()
+        out = _generate(llama["compiled"], llama["ids"], llama["mask"], rows, cache, llama["device"])
+        assert torch.equal(out, llama["refs"][(cache, i)]), f"rotation {i}:\n{out}\n{llama['refs'][(cache, i)]}"
+        # Every forward step (the prompt, then one per further token) ran one of the backend's programs.
+        assert sum(meta.stats["bucket_hits"].values()) - steps_before == NEW_TOKENS
+        if i == 2:
+            assert xla_compiles() == compiles_before, "the third generate compiled XLA programs"
+    ran = [g for g in backend.graphs if g.programs]
+    assert ran and all(g.report.sites for g in ran), [g.report.format() for g in ran]
+    assert meta.stats["rewrites"]["lora_linear"] >= 4  # q_proj and v_proj of both layers
+    assert meta.stats["compiles"] <= 8, dict(meta.stats["bucket_hits"])
+
+
+def test_generate_refuses_adapter_names_of_another_batch(llama):
+    with pytest.raises(xlp.UnsupportedMappingError, match="3 rows but this call has a batch of 4"):
+        _generate(llama["compiled"], llama["ids"], llama["mask"], ROWS[:3], "static", llama["device"])
+
+
+def test_generate_refuses_a_growing_cache_object(llama):
+    from transformers import DynamicCache
+
+    with pytest.raises(ValueError, match="DynamicCache, which grows by one position per token.*'static'"):
+        with torch.no_grad():
+            llama["compiled"].generate(input_ids=llama["ids"].to(llama["device"]), max_new_tokens=2,
+                                       past_key_values=DynamicCache(), adapter_names=_names(ROWS))
+
+
+def _greedy_loop(step, ids, steps):
+    """Greedy tokens of a prompt then ``steps`` one-token steps; ``step(ids, position)`` returns logits."""
+    tokens = [step(ids, 0)[:, -1].argmax(-1)]
+    for i in range(steps):
+        tokens.append(step(tokens[-1][:, None], ids.shape[1] + i)[:, -1].argmax(-1))
+    return torch.stack([t.cpu() for t in tokens], dim=1)
+
+
+def test_static_cache_decode_loop_with_request_adapters(xla_device):
+    """64 decode steps by hand on a StaticCache with set_request_adapters: PEFT's tokens, no compile after step 3."""
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()
+    model, _ = tiny_peft_llama(seed=1)
+    ids = torch.randint(3, 128, (4, 8), generator=torch.Generator().manual_seed(5))
+    eager_cache = DynamicCache()
+
+    def eager_step(x, position):
+        with torch.no_grad():
+            return model(input_ids=x, past_key_values=eager_cache, use_cache=True,
+                         adapter_names=_names(ROWS)).logits
+
+    reference = _greedy_loop(eager_step, ids, 64)
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    meta.set_request_adapters(ROWS)
+    cache = static_cache(model.get_base_model().config, 80, 4)
+    compiles = []  # XLA compiles so far, after each step
+
+    def step(x, position):
+        # Built on the host and sent: an arange on the device would bake each position into a new program.
+        positions = torch.arange(position, position + x.shape[1]).to(xla_device)
+        with torch.no_grad():
+            logits = compiled(input_ids=x.to(xla_device), past_key_values=cache, cache_position=positions,
+                              use_cache=True).logits
+        compiles.append(xla_compiles())
+        return logits
+
+    tokens = _greedy_loop(step, ids, 64)
+    assert torch.equal(tokens, reference), f"{tokens}\n{reference}"
+    assert len(compiles) == 65 and compiles[-1] == compiles[2], f"XLA compiles after each step: {compiles}"
+    assert meta.stats["rewrites"]["lora_linear"] >= 4 and meta.stats["compiles"] <= 3
+
+
+def test_t5_encoder_and_decoder_of_different_lengths_on_per_row_adapters(xla_device):
+    from peft import LoraConfig, get_peft_model
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      decoder_start_token_id=0, pad_token_id=0)
+    model = None
+    for name, rank, alpha in (("sql", 4, 8), ("chat", 8, 16), ("code", 2, 2)):
+        cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q", "v"], init_lora_weights=False)
+        model = get_peft_model(T5ForConditionalGeneration(config).eval(), cfg, adapter_name=name) \
+            if model is None else model
+        if name not in model.peft_config:
+            model.add_adapter(name, cfg)
+    model.eval()
+    gen = torch.Generator().manual_seed(1)
+    ids, decoder_ids = torch.randint(1, 64, (4, 8), generator=gen), torch.randint(1, 64, (4, 4), generator=gen)
+    with torch.no_grad():
+        reference = model(input_ids=ids, decoder_input_ids=decoder_ids, adapter_names=_names(ROWS)).logits
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    meta.set_request_adapters(ROWS)
+    with torch.no_grad():
+        logits = compiled(input_ids=ids.to(xla_device), decoder_input_ids=decoder_ids.to(xla_device)).logits.cpu()
+    assert (logits - reference).abs().max().item() < 1e-4
+    # q and v of 2 encoder blocks, and of the decoder's self- and cross-attention (v of cross-attention on the
+    # encoder's 8 tokens, in the decoder's graph): all 12 sites rewritten, none left to compute one adapter.
+    assert meta.stats["rewrites"] == {"lora_linear": 12}

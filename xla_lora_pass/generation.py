@@ -1,0 +1,183 @@
+"""PEFT's (and HF's) ``generate`` served by the compiled programs.
+
+HF's ``generate`` calls the module it belongs to, never a ``torch.compile``
+wrapper around it: ``torch.compile(peft_model, backend=...).generate(...)``
+resolves to ``peft_model.generate`` and runs every forward step eagerly (with
+``adapter_names=``, through PEFT's own mixed batch).  So ``register_adapters``
+replaces ``generate`` on the registered model's instance with
+:func:`routed_generate`, which, once a backend is made for the metadata
+(``make_backend(meta)``):
+
+- turns ``adapter_names`` (one per prompt row, ``"__base__"`` for the base
+  model) into ``meta.set_request_adapters``, repeated per beam as PEFT does,
+  and leaves PEFT's own per-layer hooks out;
+- points the transformer's ``forward`` at one ``torch.compile`` of it with
+  that backend for the duration of the call, so the prompt step and every
+  decode step run the rewritten programs;
+- gives decoder-only models a ``StaticCache`` whose length is the backend's
+  token bucket of prompt + new tokens, in place of the default dynamic cache
+  and of ``cache_implementation="static"`` (whose length is the exact total):
+  a dynamic cache grows by one position per token, and padding it cannot be
+  exact (HF's causal mask compares key positions with ``cache_position``
+  values, which padding the cache would shift), so it would cost one program
+  per generated token.  The static cache gives the same tokens (its unused
+  positions are masked) with one decode program per batch size.
+
+A ``past_key_values`` the caller builds is used as given if it is a
+compileable (static) cache and refused otherwise, with an error that says to
+use the static cache.  Without a backend for the metadata, ``generate`` is
+PEFT's own.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import weakref
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BASE_MODEL_NAME = "__base__"  # PEFT's name for "no adapter" in adapter_names
+
+# meta -> the backend made for it last (make_backend); model -> (backend, compiled forward).
+_backends: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_compiled_forwards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def attach_backend(meta, backend) -> None:
+    """Record ``backend`` as the one the registered model's ``generate`` runs through."""
+    _backends[meta] = backend
+
+
+def backend_for(meta):
+    """The backend made for ``meta`` last, or None."""
+    return _backends.get(meta)
+
+
+def route_generate(meta, model: torch.nn.Module) -> None:
+    """Install :func:`routed_generate` as ``model.generate`` (an instance attribute; once per model)."""
+    current = model.__dict__.get("generate")
+    if getattr(current, "_xla_lora_meta", None) is not None:
+        current._xla_lora_meta = meta  # registered again: the newest metadata serves it
+        return
+    original = getattr(model, "generate", None)
+    if original is None or not callable(original):
+        return
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        return routed_generate(generate._xla_lora_meta, model, original, *args, **kwargs)
+
+    generate._xla_lora_meta = meta
+    model.generate = generate
+
+
+def routed_generate(meta, model: torch.nn.Module, original, *args, **kwargs):
+    """``original(*args, **kwargs)`` with every forward step run by ``meta``'s backend (see module doc)."""
+    backend = backend_for(meta)
+    if backend is None or torch.compiler.is_compiling():
+        return original(*args, **kwargs)
+    adapter_names = kwargs.pop("adapter_names", None)
+    if adapter_names is not None:
+        meta.set_request_adapters(request_rows(adapter_names, kwargs.get("num_beams")))
+    transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _use_bucketed_static_cache(transformer, backend, args, kwargs)
+    with _forward_through(transformer, backend):
+        return original(*args, **kwargs)
+
+
+def request_rows(adapter_names, num_beams: Optional[int] = None) -> list:
+    """PEFT's ``adapter_names`` as request rows: ``"__base__"`` is None, each row repeated per beam."""
+    if isinstance(adapter_names, (str, bytes)) or not isinstance(adapter_names, (list, tuple)):
+        raise TypeError(f"adapter_names: expected a list with one adapter name per prompt row, got "
+                        f"{adapter_names!r:.80}")
+    rows = [None if name == BASE_MODEL_NAME else name for name in adapter_names]
+    beams = num_beams if isinstance(num_beams, int) and num_beams > 1 else 1
+    return [r for r in rows for _ in range(beams)]
+
+
+@contextlib.contextmanager
+def _forward_through(transformer: torch.nn.Module, backend):
+    """``transformer.forward`` is the backend's compiled forward inside the block."""
+    compiled = _compiled_forward(transformer, backend)
+    had_own = "forward" in transformer.__dict__
+    saved = transformer.__dict__.get("forward")
+    transformer.forward = compiled
+    try:
+        yield
+    finally:
+        if had_own:
+            transformer.forward = saved
+        else:
+            del transformer.forward
+
+
+def _compiled_forward(transformer: torch.nn.Module, backend):
+    """One ``torch.compile`` of the transformer's own forward per (model, backend), kept for reuse."""
+    cached = _compiled_forwards.get(transformer)
+    if cached is None or cached[0] is not backend:
+        forward = transformer.__dict__.get("forward") or type(transformer).forward.__get__(transformer)
+        cached = (backend, torch.compile(forward, backend=backend))
+        _compiled_forwards[transformer] = cached
+    return cached[1]
+
+
+def _use_bucketed_static_cache(transformer: torch.nn.Module, backend, args, kwargs) -> None:
+    """Put a bucketed ``StaticCache`` into ``kwargs`` for a decoder-only model (see module doc)."""
+    given = kwargs.get("past_key_values")
+    if given is not None:
+        if not getattr(given, "is_compileable", False):
+            raise ValueError(
+                f"generate: past_key_values is a {type(given).__name__}, which grows by one position per token, "
+                "so every decode step would compile a new program; pass no cache (the backend uses a static "
+                "cache of a bucketed length) or cache_implementation='static'")
+        return
+    config = getattr(transformer, "config", None)
+    implementation = kwargs.get("cache_implementation")
+    if config is None or getattr(config, "is_encoder_decoder", False) or kwargs.get("use_cache") is False:
+        return
+    if implementation not in (None, "static"):
+        raise ValueError(
+            f"generate: cache_implementation={implementation!r} is not served by the xla_lora backend; use the "
+            "default cache or cache_implementation='static' (both run on a static cache of a bucketed length)")
+    total = _total_length(transformer, args, kwargs)
+    if total is None:
+        return
+    kwargs.pop("cache_implementation", None)
+    kwargs["past_key_values"] = static_cache(config, backend.buckets.pad(total), _batch_size(args, kwargs))
+
+
+def _total_length(transformer, args, kwargs) -> Optional[int]:
+    """Prompt length + new tokens (None if the prompt is not a tensor of ids or embeddings)."""
+    prompt = kwargs.get("input_ids", args[0] if args else None)
+    if prompt is None:
+        prompt = kwargs.get("inputs_embeds")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+        return None
+    config = kwargs.get("generation_config") or getattr(transformer, "generation_config", None)
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new is not None:
+        return int(prompt.shape[1]) + int(new)
+    max_length = kwargs.get("max_length", getattr(config, "max_length", None))
+    return None if max_length is None else max(int(max_length), int(prompt.shape[1]) + 1)
+
+
+def _batch_size(args, kwargs) -> int:
+    prompt = kwargs.get("input_ids", args[0] if args else None)
+    if prompt is None:
+        prompt = kwargs.get("inputs_embeds")
+    beams = kwargs.get("num_beams") or 1
+    return int(prompt.shape[0]) * int(beams)
+
+
+def static_cache(config, max_cache_len: int, batch_size: int) -> Any:
+    """A transformers ``StaticCache`` with only the arguments this transformers version takes."""
+    from transformers import StaticCache
+
+    params = inspect.signature(StaticCache.__init__).parameters
+    offered = {"config": config, "max_cache_len": max_cache_len, "max_batch_size": batch_size}
+    return StaticCache(**{k: v for k, v in offered.items() if k in params})
