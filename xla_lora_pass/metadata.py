@@ -35,6 +35,7 @@ import functools
 import logging
 import math
 import numbers
+import os
 import threading
 import types
 import warnings
@@ -47,6 +48,7 @@ from graph_rewrites import GROUP_SEPARATOR
 from .adapters import AdapterWeights, SiteSpec
 from .dora import dora_rows, stack_dora
 from .formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
+from .formats.peft_dir import read_adapter_dir
 from .formats.state import split_state
 from .errors import UnsupportedMappingError
 from .generation import route_generate
@@ -232,6 +234,12 @@ class LoRAMetadata:
                      config=None) -> int:
         """Load one adapter's weights into its slot (or the first free one); never recompiles.
 
+        ``state`` may also be a PEFT adapter directory (``save_pretrained``:
+        ``adapter_config.json`` and ``adapter_model.safetensors``, or a
+        ``.bin`` read with ``torch.load(weights_only=True)``); the scaling
+        then comes from its config (alpha, ``alpha_pattern``, rsLoRA) and a
+        DoRA adapter's magnitudes from its weights (``formats/peft_dir.py``).
+
         ``state`` is a state dict in the registered layers' own keys (PEFT
         ``<site>.lora_A.weight``, an adapter name may stand before
         ``.weight``; torchtune ``<site>.lora_a.weight``; loralib
@@ -249,9 +257,12 @@ class LoRAMetadata:
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"load_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
+        if isinstance(state, (str, os.PathLike)):
+            saved_state, saved_config = read_adapter_dir(f"load_adapter({name!r})", state)
+            state, config = saved_state, config if config is not None else saved_config
         if not isinstance(state, Mapping):
-            raise TypeError(f"load_adapter({name!r}): state must be a mapping of name -> tensor, got "
-                            f"{type(state).__name__}")
+            raise TypeError(f"load_adapter({name!r}): state must be a mapping of name -> tensor or a saved PEFT "
+                            f"adapter directory, got {type(state).__name__}")
         if not self._sites:
             raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
                                "register_adapters(model) with a model that has LoRA layers first")
@@ -269,6 +280,8 @@ class LoRAMetadata:
             loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config),
                                     magnitude=roles.get("magnitude"))
             weights[site_name] = _host_slot_weights(where, loaded, stack_a.dtype)
+            if loaded.magnitude is None and getattr(config, "use_dora", False):
+                raise KeyError(f"{where}: the config says DoRA but the state has no lora_magnitude_vector for it")
             if loaded.magnitude is not None:
                 if site_name not in self._host_dora:
                     raise ValueError(f"{where}: a DoRA adapter, but the site was registered without one, so its "
@@ -668,6 +681,8 @@ def _scaling_for(name: str, site: SiteSpec, rank: int, scaling: Optional[float],
         if not math.isfinite(scaling):
             raise ValueError(f"load_adapter({name!r}): scaling must be finite, got {scaling}")
         return float(scaling)
+    if hasattr(config, "scaling_for"):  # a saved adapter's config: per-site alpha (alpha_pattern), rsLoRA
+        return config.scaling_for(site.name, rank)
     if config is not None:
         alpha = config.lora_alpha
         return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank

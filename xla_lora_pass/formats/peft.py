@@ -101,8 +101,9 @@ class PeftFormat(AdapterFormat):
         at = next((i for i, p in enumerate(parts) if p in _ROLE_PARTS), None)
         if at is None:
             return None
-        is_embedding = parts[at].startswith("lora_embedding")
-        if not (parts[-1] == "weight" or is_embedding) or len(parts) - at > 3:
+        # Embedding A/B are bare tensors; save_pretrained writes a DoRA magnitude without ".weight".
+        bare = parts[at].startswith("lora_embedding") or parts[at] == "lora_magnitude_vector"
+        if not (parts[-1] == "weight" or bare) or len(parts) - at > 3:
             return None
         return ".".join(parts[:at]), _ROLE_PARTS[parts[at]]
 
