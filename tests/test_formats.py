@@ -12,7 +12,7 @@ import torch
 
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import per_sequence_mapping
-from xla_lora_pass.formats import UnsupportedAdapterError
+from xla_lora_pass import UnsupportedAdapterError
 
 from . import format_models as fm
 from .helpers import lora_weight_uses

@@ -47,10 +47,10 @@ from graph_rewrites import GROUP_SEPARATOR
 
 from .adapters import AdapterWeights, SiteSpec
 from .dora import dora_rows, stack_dora
+from .errors import UnsupportedMappingError
 from .formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
 from .formats.peft_dir import read_adapter_dir
 from .formats.state import split_state
-from .errors import UnsupportedMappingError
 from .generation import route_generate
 from .ops_blocked import padded_layout
 
@@ -234,12 +234,6 @@ class LoRAMetadata:
                      config=None) -> int:
         """Load one adapter's weights into its slot (or the first free one); never recompiles.
 
-        ``state`` may also be a PEFT adapter directory (``save_pretrained``:
-        ``adapter_config.json`` and ``adapter_model.safetensors``, or a
-        ``.bin`` read with ``torch.load(weights_only=True)``); the scaling
-        then comes from its config (alpha, ``alpha_pattern``, rsLoRA) and a
-        DoRA adapter's magnitudes from its weights (``formats/peft_dir.py``).
-
         ``state`` is a state dict in the registered layers' own keys (PEFT
         ``<site>.lora_A.weight``, an adapter name may stand before
         ``.weight``; torchtune ``<site>.lora_a.weight``; loralib
@@ -247,6 +241,12 @@ class LoRAMetadata:
         from a PEFT ``LoraConfig``, or else from the layer's own formula
         (torchtune's and loralib's alpha over the loaded rank; a hand-written
         layer's scaling when the rank is its own).
+
+        ``state`` may also be a PEFT adapter directory (``save_pretrained``:
+        ``adapter_config.json`` and ``adapter_model.safetensors``, or a
+        ``.bin`` read with ``torch.load(weights_only=True)``); the scaling
+        then comes from its config (alpha, ``alpha_pattern``, rsLoRA) and a
+        DoRA adapter's magnitudes from its weights (``formats/peft_dir.py``).
 
         Weights may be of any floating dtype, cast to the site's stack dtype
         (the model's LoRA dtype), and on any device that holds data (CPU, XLA,

@@ -18,7 +18,8 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 
 from ..adapters import SiteSpec
-from .base import AdapterFormat, UnsupportedAdapterError
+from ..errors import UnsupportedAdapterError
+from .base import AdapterFormat
 from .handwritten import HandwrittenFormat
 from .loralib import LoralibFormat
 from .peft import PeftFormat

@@ -6,10 +6,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 
 from ..adapters import AdapterWeights, SiteSpec
-
-
-class UnsupportedAdapterError(ValueError):
-    """A LoRA layer that cannot be served exactly; raised at registration, naming the layer."""
+from ..errors import UnsupportedAdapterError
 
 
 class AdapterFormat:

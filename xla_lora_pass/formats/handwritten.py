@@ -18,7 +18,8 @@ import numbers
 import torch
 import torch.nn as nn
 
-from .base import OneAdapterFormat, UnsupportedAdapterError
+from ..errors import UnsupportedAdapterError
+from .base import OneAdapterFormat
 
 _NAMES = (("lora_A", "lora_B"), ("lora_a", "lora_b"))
 

@@ -10,7 +10,8 @@ is refused, since every other slot would get the merged adapter too.
 """
 from __future__ import annotations
 
-from .base import OneAdapterFormat, UnsupportedAdapterError
+from ..errors import UnsupportedAdapterError
+from .base import OneAdapterFormat
 
 
 def _loralib():

@@ -6,7 +6,8 @@ the state-dict keys are ``<layer>.lora_a.weight`` / ``<layer>.lora_b.weight``.
 """
 from __future__ import annotations
 
-from .base import OneAdapterFormat, UnsupportedAdapterError
+from ..errors import UnsupportedAdapterError
+from .base import OneAdapterFormat
 
 
 def _peft_module():
