@@ -16,7 +16,7 @@ setup(
     packages=find_packages(include=["xla_lora_pass", "xla_lora_pass.*", "graph_rewrites", "graph_rewrites.*"]),
     package_data={"graph_rewrites": ["README.md"]},
     python_requires=">=3.10",
-    install_requires=TORCH + ["sympy"],
+    install_requires=TORCH + ["sympy", "tqdm"],  # tqdm: precompile's progress bar (transformers brings it too)
     extras_require={
         "demo": CLIENTS,
         "test": CLIENTS + LORA_FORMATS + ["pytest", "hypothesis"],

@@ -114,7 +114,7 @@ def test_static_cache_decode_loop_with_request_adapters(xla_device):
     meta.register_adapters(model)
     compiled = torch.compile(model, backend=xlp.make_backend(meta))
     meta.set_request_adapters(ROWS)
-    cache = static_cache(model.get_base_model().config, 80, 4)
+    cache = static_cache(model.get_base_model().config, 80, 4, torch.float32, xla_device)
     compiles = []  # XLA compiles so far, after each step
 
     def step(x, position):
@@ -163,3 +163,21 @@ def test_t5_encoder_and_decoder_of_different_lengths_on_per_row_adapters(xla_dev
     # q and v of 2 encoder blocks, and of the decoder's self- and cross-attention (v of cross-attention on the
     # encoder's 8 tokens, in the decoder's graph): all 12 sites rewritten, none left to compute one adapter.
     assert meta.stats["rewrites"] == {"lora_linear": 12}
+
+
+def test_precompile_generate_warms_the_prompt_and_decode_programs(xla_device):
+    torch._dynamo.reset()
+    model, _ = tiny_peft_llama(seed=2)
+    ids, mask = _prompts()
+    reference = _generate(model, ids, mask, ROWS, "dynamic")
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    backend = xlp.make_backend(meta)
+    compiled = torch.compile(model, backend=backend)
+    warmed = backend.precompile_generate(compiled, batch_sizes=[4], prompt_lengths=[6], max_new_tokens=NEW_TOKENS,
+                                         progress=False)
+    assert warmed == meta.stats["compiles"] >= 2  # the prompt's program and the decode step's
+    out = _generate(compiled, ids, mask, ROWS, "dynamic", xla_device)
+    assert torch.equal(out, reference)
+    assert meta.stats["compiles"] == warmed, "generate compiled a program precompile_generate did not warm"

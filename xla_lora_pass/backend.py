@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -93,9 +92,9 @@ class LoRABackend:
         """
         sizes = list(sizes) if sizes is not None else [2, 1] + list(self.buckets)
         before = self.meta.stats["compiles"]
-        bar = _Progress(len(sizes), "precompile", enabled=progress)
-        with self.meta.warming_up():
-            for n in sizes:
+        with self.meta.warming_up(), progress_bar(sizes, "precompile", progress) as bar:
+            for n in bar:
+                bar.set_postfix_str(f"{n} tokens")
                 with torch.no_grad():
                     run(n)
                     if mixed_rows and any(g.uses_rows for g in self.graphs):
@@ -104,27 +103,34 @@ class LoRABackend:
                             run(n)
                         finally:
                             self._warm_masked = False
-                bar.step(f"{n} tokens")
-        bar.close()
+        return self.meta.stats["compiles"] - before
+
+    def precompile_generate(self, model, batch_sizes: Iterable[int], prompt_lengths: Iterable[int],
+                            max_new_tokens: int, progress: bool = True) -> int:
+        """Warm the prompt and decode programs ``model.generate`` will run; returns the programs compiled.
+
+        One short generate per (batch size, prompt length), on a static cache
+        of the length a real generate of ``max_new_tokens`` gets (the token
+        bucket of prompt + new tokens), every token on the base model.
+        ``model`` is the registered model (or its ``torch.compile`` wrapper).
+        docs/user-guide.md, "Generation".
+        """
+        from .generation import warm_generate
+
+        shapes = [(b, s) for b in batch_sizes for s in prompt_lengths]
+        before = self.meta.stats["compiles"]
+        with self.meta.warming_up(), progress_bar(shapes, "precompile generate", progress) as bar:
+            for batch, length in bar:
+                bar.set_postfix_str(f"batch {batch}, prompt {length}")
+                warm_generate(self, model, batch, length, max_new_tokens)
         return self.meta.stats["compiles"] - before
 
 
-class _Progress:
-    """A one-line progress bar on stderr (tqdm is not a dependency)."""
+def progress_bar(items, label: str, enabled: bool = True):
+    """A tqdm bar over ``items``, silent when ``enabled`` is False."""
+    from tqdm.auto import tqdm
 
-    def __init__(self, total: int, label: str, enabled: bool = True):
-        self.total, self.label, self.done, self.enabled = total, label, 0, enabled
-
-    def step(self, what: str) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = int(30 * self.done / max(self.total, 1))
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {what}   ")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+    return tqdm(items, desc=label, disable=not enabled, leave=False)
 
 
 class CompiledLoRAGraph:

@@ -9,7 +9,7 @@ replaces ``generate`` on the registered model's instance with
 (``make_backend(meta)``):
 
 - turns ``adapter_names`` (one per prompt row, ``"__base__"`` for the base
-  model) into ``meta.set_request_adapters``, repeated per beam as PEFT does,
+  model) into ``meta.set_request_adapters``, repeated per beam (as PEFT does) or returned sequence,
   and leaves PEFT's own per-layer hooks out;
 - points the transformer's ``forward`` at one ``torch.compile`` of it with
   that backend for the duration of the call, so the prompt step and every
@@ -46,6 +46,7 @@ BASE_MODEL_NAME = "__base__"  # PEFT's name for "no adapter" in adapter_names
 # meta -> the backend made for it last (make_backend); model -> (backend, compiled forward).
 _backends: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _compiled_forwards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_serving_caches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(length, batch, ...): cache}
 
 
 def attach_backend(meta, backend) -> None:
@@ -83,21 +84,21 @@ def routed_generate(meta, model: torch.nn.Module, original, *args, **kwargs):
         return original(*args, **kwargs)
     adapter_names = kwargs.pop("adapter_names", None)
     if adapter_names is not None:
-        meta.set_request_adapters(request_rows(adapter_names, kwargs.get("num_beams")))
+        meta.set_request_adapters(request_rows(adapter_names, _expansion(kwargs)))
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
     _use_bucketed_static_cache(transformer, backend, args, kwargs)
     with _forward_through(transformer, backend):
         return original(*args, **kwargs)
 
 
-def request_rows(adapter_names, num_beams: Optional[int] = None) -> list:
-    """PEFT's ``adapter_names`` as request rows: ``"__base__"`` is None, each row repeated per beam."""
+def request_rows(adapter_names, copies: int = 1) -> list:
+    """PEFT's ``adapter_names`` as request rows: ``"__base__"`` is None, each row repeated ``copies`` times
+    (the beams or returned sequences generate makes of it, next to each other as HF lays them out)."""
     if isinstance(adapter_names, (str, bytes)) or not isinstance(adapter_names, (list, tuple)):
         raise TypeError(f"adapter_names: expected a list with one adapter name per prompt row, got "
                         f"{adapter_names!r:.80}")
     rows = [None if name == BASE_MODEL_NAME else name for name in adapter_names]
-    beams = num_beams if isinstance(num_beams, int) and num_beams > 1 else 1
-    return [r for r in rows for _ in range(beams)]
+    return [r for r in rows for _ in range(copies)]
 
 
 @contextlib.contextmanager
@@ -148,7 +149,7 @@ def _use_bucketed_static_cache(transformer: torch.nn.Module, backend, args, kwar
     if total is None:
         return
     kwargs.pop("cache_implementation", None)
-    kwargs["past_key_values"] = static_cache(config, backend.buckets.pad(total), _batch_size(args, kwargs))
+    kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad(total), _batch_size(args, kwargs))
 
 
 def _total_length(transformer, args, kwargs) -> Optional[int]:
@@ -170,14 +171,71 @@ def _batch_size(args, kwargs) -> int:
     prompt = kwargs.get("input_ids", args[0] if args else None)
     if prompt is None:
         prompt = kwargs.get("inputs_embeds")
-    beams = kwargs.get("num_beams") or 1
-    return int(prompt.shape[0]) * int(beams)
+    return int(prompt.shape[0]) * _expansion(kwargs)
 
 
-def static_cache(config, max_cache_len: int, batch_size: int) -> Any:
-    """A transformers ``StaticCache`` with only the arguments this transformers version takes."""
+def _expansion(kwargs) -> int:
+    """How many sequences generate makes of each prompt row (beams, or returned sequences)."""
+    return max(int(kwargs.get("num_beams") or 1), int(kwargs.get("num_return_sequences") or 1))
+
+
+def serving_cache(transformer: torch.nn.Module, max_cache_len: int, batch_size: int) -> Any:
+    """The model's static cache of this length and batch, made once and reset for each generate.
+
+    Reused, not made anew: transformers marks an allocated cache's tensors
+    as static addresses, which Dynamo guards by identity, so a new cache per
+    generate would retrace the model each time.  Reset, because transformers
+    5 writes at the cache's own ``cumulative_length``, not at ``cache_position``.
+    One generate at a time per model.
+    """
+    weight = next(transformer.parameters())
+    caches = _serving_caches.setdefault(transformer, {})
+    key = (max_cache_len, batch_size, weight.dtype, str(weight.device))
+    cache = caches.get(key)
+    if cache is None:
+        cache = caches[key] = static_cache(transformer.config, max_cache_len, batch_size, weight.dtype, weight.device)
+    else:
+        cache.reset()
+    return cache
+
+
+def static_cache(config, max_cache_len: int, batch_size: int, dtype: Optional[torch.dtype] = None,
+                 device=None) -> Any:
+    """A transformers ``StaticCache`` with only the arguments this transformers version takes.
+
+    Given ``dtype`` and ``device`` it is allocated at once (``early_initialization``)
+    rather than on its first update, which would then happen inside the
+    compiled prompt step: transformers 5 keeps a host ``cumulative_length``
+    tensor until that first update, and an XLA program cannot take a host tensor.
+    """
     from transformers import StaticCache
 
     params = inspect.signature(StaticCache.__init__).parameters
     offered = {"config": config, "max_cache_len": max_cache_len, "max_batch_size": batch_size}
-    return StaticCache(**{k: v for k, v in offered.items() if k in params})
+    cache = StaticCache(**{k: v for k, v in offered.items() if k in params})
+    if dtype is not None and device is not None and hasattr(cache, "early_initialization"):
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        cache.early_initialization(batch_size, heads, head_dim, dtype, device)
+    return cache
+
+
+def warm_generate(backend, model: torch.nn.Module, batch: int, prompt_length: int, max_new_tokens: int) -> None:
+    """Two-token generates of ``batch`` prompts of ``prompt_length`` ids, unpadded and left-padded.
+
+    The cache has the length a generate of ``max_new_tokens`` gets, so the
+    decode program is the one serving will run.
+    """
+    transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    transformer = getattr(transformer, "_orig_mod", transformer)  # a torch.compile wrapper
+    ids = torch.ones(batch, prompt_length, dtype=torch.long).to(next(transformer.parameters()).device)
+    cache = serving_cache(transformer, backend.buckets.pad(prompt_length + max_new_tokens), batch)
+    masks = [torch.ones_like(ids)]
+    if prompt_length > 1:  # a left-padded prompt: transformers 5 traces another mask path for it
+        masks.append(torch.ones_like(ids).index_fill_(1, torch.tensor([0], device=ids.device), 0))
+    for mask in masks:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2,
+                           do_sample=False, pad_token_id=0, past_key_values=cache)
+        cache.reset()
