@@ -5,6 +5,11 @@ TORCH = ["torch==2.9.0", "torch_xla==2.9.0"]
 CLIENTS = ["transformers==4.57.1", "peft==0.17.1"]
 # The newest client releases, verified with the compat-marked tests (.ci/run's second job).
 NEWEST_CLIENTS = ["transformers==5.23.0", "peft==0.21.2"]
+# The other LoRA formats the tests serve.  torchtune imports torchao, and left alone it pulls
+# huggingface-hub 1.x, tokenizers 0.23 and datasets 4, which transformers 4.57.1 cannot import:
+# pinned to the set that resolves with it.
+LORA_FORMATS = ["torchtune==0.6.1", "torchao==0.14.1", "loralib==0.1.2", "huggingface-hub==0.36.2",
+                "tokenizers==0.22.2", "datasets==3.6.0"]
 
 setup(
     name="xla-lora-pass",
@@ -16,7 +21,7 @@ setup(
     install_requires=TORCH + ["sympy", "tqdm"],  # tqdm: precompile's progress bar (transformers brings it too)
     extras_require={
         "demo": CLIENTS,
-        "test": CLIENTS + ["pytest", "hypothesis"],
+        "test": CLIENTS + LORA_FORMATS + ["pytest", "hypothesis"],
         "bench": CLIENTS + ["matplotlib"],
         "compat": NEWEST_CLIENTS + ["pytest", "hypothesis"],
     },

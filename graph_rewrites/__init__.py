@@ -13,12 +13,14 @@ from typing import Callable, Dict, List, Mapping, Tuple, Union
 import torch.fx as fx
 
 from .annotations import (BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, SAVED_PARAM, STACKED_A, STACKED_B, STACKED_BIAS,
-                          TOKEN_INDICES, GraphInputRequest, LoRAWeightRef, SavedParamRef)
+                          STACKED_DORA, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef, SavedParamRef)
 from .flat_tokens import flat_token_nodes
 from .fuse_shared_shrink import GROUP_SEPARATOR, fuse_shared_shrinks
-from .fx_utils import drop_none_bias, remove_eval_dropout
+from .fx_utils import (canonicalize_weight_transposes, drop_none_bias, functionalize_fresh_updates,
+                       remove_eval_dropout)
 from .lora_attach import attach_lora_sites, unserved_base_sites
 from .lora_bias import rewrite_lora_bias
+from .lora_dora import rewrite_lora_dora
 from .lora_embedding import rewrite_lora_embedding
 from .lora_linear import rewrite_lora_linear
 from .report import NearMiss, RewriteContext, RewriteReport, SiteRewrite
@@ -38,7 +40,8 @@ class PassResult:
 
 def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     removed = remove_eval_dropout(gm)
-    changed = (drop_none_bias(gm) + removed) > 0
+    changed = (drop_none_bias(gm) + removed + functionalize_fresh_updates(gm)
+               + canonicalize_weight_transposes(gm)) > 0
     # The mapping's layout: the token dims most LoRA sites apply to.
     ctx.token_layout = ctx.report.token_layout = find_token_layout(gm)
     ctx.flat_token_nodes = frozenset(flat_token_nodes(gm, ctx.token_layout))
@@ -46,15 +49,17 @@ def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
 
 
 # name -> pass, in the order they run.  ``normalize`` strips identities the
-# patterns would otherwise need variants for (eval dropout, a None bias) and
-# finds the token layout; ``lora_attach`` serves the registered sites whose
-# LoRA branch is not in the graph, after the patterns replaced the branches
-# that are; ``saved_modules`` serves PEFT's modules_to_save; the fusion runs
-# after every site is rewritten.
+# patterns would otherwise need variants for (eval dropout, a None bias, an
+# in-place ``+=`` on a fresh result, ``.T`` / ``.transpose(0, 1)`` of a LoRA
+# weight) and finds the token layout; ``lora_attach`` serves the registered
+# sites whose LoRA branch is not in the graph, after the patterns replaced the
+# branches that are; ``saved_modules`` serves PEFT's modules_to_save; the
+# fusion runs after every site is rewritten.
 PASSES: List[Tuple[str, Callable[[fx.GraphModule, RewriteContext], bool]]] = [
     ("normalize", _normalize),
     ("lora_embedding", rewrite_lora_embedding),
     ("lora_bias", rewrite_lora_bias),
+    ("lora_dora", rewrite_lora_dora),
     ("lora_linear", rewrite_lora_linear),
     ("lora_attach", attach_lora_sites),
     ("saved_modules", serve_saved_modules),
@@ -97,7 +102,8 @@ def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, Union[LoRAWeightRe
 
 
 __all__ = [
-    "BASE_WEIGHT", "SAVED_PARAM", "SavedParamRef", "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A", "STACKED_B", "STACKED_BIAS", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
+    "BASE_WEIGHT", "SAVED_PARAM", "SavedParamRef", "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A",
+    "STACKED_B", "STACKED_BIAS", "STACKED_DORA", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
     "NearMiss", "PASSES", "PassResult", "RewriteContext", "RewriteReport", "SiteRewrite", "run_passes",
     "unrewritten_lora_weights",
 ]

@@ -30,6 +30,8 @@ STACKED_B = "stacked_b"
 STACKED_A_T = "stacked_a_t"
 STACKED_B_T = "stacked_b_t"
 STACKED_BIAS = "stacked_bias"
+# DoRA's per-slot [N, 2, out] rescaling (gain m/||W + sBA|| - 1, and gain * base bias); zeros for other slots.
+STACKED_DORA = "stacked_dora"
 # The blocked kernel's per-step layout (xla_lora_pass/ops_blocked.py), shared by every site.
 LAYOUT_ROW_TOKEN = "layout_row_token"
 LAYOUT_BLOCK_SLOT = "layout_block_slot"
@@ -55,7 +57,7 @@ class LoRAWeightRef:
 
     site: str
     adapter: Optional[str]  # None for the base weight (role "base")
-    role: str  # "A", "B", "bias" or "base"
+    role: str  # "A", "B", "bias", "magnitude" (DoRA) or "base"
     kind: str  # "linear" or "embedding"
     in_features: int
     out_features: int
@@ -65,6 +67,7 @@ class LoRAWeightRef:
     dtype: torch.dtype
     unsupported: Optional[str] = None  # why the site can never be rewritten
     lora_bias: bool = False  # some adapter at the site has a LoRA bias (stacked_bias is fed)
+    dora: bool = False  # some slot of the site is a DoRA adapter: every rewrite of it rescales per token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +86,7 @@ class SavedParamRef:
 class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
-    kind: str  # TOKEN_INDICES, (POOLED_)ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS,
+    kind: str  # TOKEN_INDICES, (POOLED_)ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS, STACKED_DORA,
     # SAVED_MODULE_PARAM, one of LAYOUT_KINDS or one of SEGMENT_KINDS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()

@@ -1,12 +1,13 @@
 """Small FX helpers shared by the patterns."""
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
-from .annotations import LORA_INPUT, GraphInputRequest
+from .annotations import LORA_INPUT, LORA_WEIGHT, GraphInputRequest
 
 VALUE_KEY = "example_value"  # Dynamo-level graphs keep their fake values here
 
@@ -129,4 +130,50 @@ def drop_none_bias(gm: fx.GraphModule) -> int:
         elif node.kwargs.get("bias", 0) is None:
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
             changed += 1
+    return changed
+
+
+_IN_PLACE = {operator.iadd: operator.add}
+
+
+def functionalize_fresh_updates(gm: fx.GraphModule) -> int:
+    """``y += d`` -> ``y + d`` where y is an intermediate only this update reads (loralib's ``result += ...``).
+
+    Nothing else can see the mutation then, so the functional form has the
+    same value; the patterns are written functionally.
+    """
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _IN_PLACE or len(node.args) != 2:
+            continue
+        target = node.args[0]
+        if isinstance(target, fx.Node) and target.op in ("call_function", "call_method") and len(target.users) == 1:
+            node.target = _IN_PLACE[node.target]
+            changed += 1
+    return changed
+
+
+def _is_matrix_transpose(node: fx.Node) -> bool:
+    """``w.T``, ``w.transpose(0, 1)`` / ``(1, 0)`` / ``(-1, -2)`` ... on a 2-d tensor."""
+    value = example_value(node.args[0]) if node.args else None
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        return False
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1] in ("T", "mT")
+    if node.op == "call_method" and node.target == "transpose" and len(node.args) == 3:
+        return {d % 2 for d in node.args[1:] if isinstance(d, int)} == {0, 1}
+    return False
+
+
+def canonicalize_weight_transposes(gm: fx.GraphModule) -> int:
+    """Every transpose of a LoRA weight placeholder -> ``w.t()``: one form for the patterns to match."""
+    changed = 0
+    for placeholder in gm.graph.find_nodes(op="placeholder"):
+        if LORA_WEIGHT not in placeholder.meta:
+            continue
+        for user in list(placeholder.users):
+            if user.args and user.args[0] is placeholder and _is_matrix_transpose(user) and not (
+                    user.op == "call_method" and user.target == "t"):
+                user.op, user.target, user.args, user.kwargs = "call_method", "t", (placeholder,), {}
+                changed += 1
     return changed

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import fx_utils
 from .annotations import BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, STACKED_BIAS, LoRAWeightRef
-from .lora_linear import KERNEL_OPS, emit_shrink_expand, stacks_and_base
+from .lora_linear import KERNEL_OPS, apply_site_dora, emit_shrink_expand, stacks_and_base
 from .report import NearMiss, RewriteContext, SiteRewrite
 from .site_inputs import device_of, site_indices, site_kernel_inputs, stacked_input
 
@@ -183,6 +183,8 @@ def _emit(graph: fx.Graph, ctx: RewriteContext, op: BaseOp, ref: LoRAWeightRef, 
     """The replacement of ``op.op``'s value (a node), or the reason there is none (a str)."""
     y = op.op
     if ref.kind == "embedding":
+        if ref.dora:
+            return "DoRA on an embedding site whose LoRA branch is not in the graph is not attached"
         ids = fx_utils.call(graph, "call_method", "reshape", op.tokens, -1)
         idx, reason = site_indices(graph, ctx, op.tokens, ids, 0, device)
         if idx is None:
@@ -196,7 +198,7 @@ def _emit(graph: fx.Graph, ctx: RewriteContext, op: BaseOp, ref: LoRAWeightRef, 
     x2d = fx_utils.call(graph, "call_method", "reshape", op.tokens, -1, ref.in_features)
     kernel, inputs = site_kernel_inputs(graph, ctx, op.tokens, x2d, op.n_feature_dims, device)
     idx = None
-    if kernel == "masked" or ref.lora_bias:
+    if kernel == "masked" or ref.lora_bias or ref.dora:
         idx, reason = site_indices(graph, ctx, op.tokens, x2d, op.n_feature_dims, device)
         if idx is None:
             return reason
@@ -209,6 +211,7 @@ def _emit(graph: fx.Graph, ctx: RewriteContext, op: BaseOp, ref: LoRAWeightRef, 
         stacked = stacked_input(graph, ref, STACKED_BIAS, (ref.num_slots, ref.out_features), device)
         expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_bias.default,
                                  expanded, stacked, idx)
+    expanded = apply_site_dora(graph, ref, expanded, idx, device)
     return fx_utils.call(graph, "call_method", "view_as", expanded, y)
 
 

@@ -1,6 +1,6 @@
 """Pattern 2: embedding LoRA (PEFT ``lora.Embedding``).
 
-    y = emb(ids) + (embedding(ids, A.T) @ B.T) * s
+    y = emb(ids) + (embedding(ids, A.T) @ B.T) * s     (PEFT; loralib's ``+=`` form too)
 
 becomes
 
@@ -28,7 +28,7 @@ PATTERN_NAME = "lora_embedding"
 
 def _make_pattern(combine_fn):
     def lora_embedding_pattern(x, base, lora_a, lora_b, scale):
-        return combine_fn(base, F.embedding(x, lora_a.T) @ lora_b.T, scale)
+        return combine_fn(base, F.embedding(x, lora_a.t()) @ lora_b.t(), scale)
 
     return lora_embedding_pattern
 
@@ -53,7 +53,8 @@ def canonicalize_lora_embeddings(gm: fx.GraphModule) -> int:
     changed = 0
     for node in gm.graph.find_nodes(op="call_function", target=F.embedding):
         weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        if not (isinstance(weight, fx.Node) and weight.target is getattr and weight.args[1] == "T"
+        # LoRA weight transposes are all ``.t()`` by now (fx_utils.canonicalize_weight_transposes).
+        if not (isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target == "t"
                 and LORA_WEIGHT in getattr(weight.args[0], "meta", {})):
             continue
         extra = dict(zip(("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"), node.args[2:]))

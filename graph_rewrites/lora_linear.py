@@ -20,7 +20,7 @@ import functools
 import dataclasses
 import itertools
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 from . import fx_utils
-from .annotations import LORA_WEIGHT, STACKED_A, STACKED_A_T, STACKED_B, STACKED_B_T, STACKED_BIAS, LoRAWeightRef
+from .annotations import (LORA_WEIGHT, STACKED_A, STACKED_A_T, STACKED_B, STACKED_B_T, STACKED_BIAS, STACKED_DORA,
+                          LoRAWeightRef)
 from .report import NearMiss, RewriteContext, SiteRewrite
 from .site_inputs import device_of, dims_key, site_indices, site_kernel_inputs, stacked_input
 
@@ -95,6 +96,7 @@ class LinearMatch:
     output: fx.Node
     nodes: List[fx.Node]  # every matched compute node, to erase once replaced
     lora_bias: Optional[fx.Node] = None
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # a pattern's own inputs (DoRA's scale)
 
     @property
     def weight(self) -> Optional[LoRAWeightRef]:
@@ -111,6 +113,7 @@ def to_match(match: InternalMatch, pattern: fx.Graph) -> LinearMatch:
         x=by_name["x"], base=by_name["base"], lora_a=by_name["lora_a"], lora_b=by_name["lora_b"],
         scale=float(scale) if is_number else None, output=match.returning_nodes[0], nodes=compute,
         lora_bias=by_name.get("lora_bias"),
+        extra={k: v for k, v in by_name.items() if k not in ("x", "base", "lora_a", "lora_b", "scale", "lora_bias")},
     )
 
 
@@ -163,7 +166,7 @@ def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext
         x2d = fx_utils.call(graph, "call_method", "reshape", m.x, -1, ref.in_features)
         kernel, inputs = site_kernel_inputs(graph, ctx, m.x, x2d, 1, device)
         idx = None
-        if kernel == "masked" or _has_bias(m, ref):
+        if kernel == "masked" or _has_bias(m, ref) or ref.dora:
             idx, reason = site_indices(graph, ctx, m.x, x2d, 1, device)
             if idx is None:
                 graph.erase_node(x2d)
@@ -173,6 +176,7 @@ def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext
         stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device, transposed=KERNEL_OPS[kernel][2])
         shrunk, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, kernel, inputs)
         expanded = add_site_bias(graph, m, ref, expanded, idx, device)
+        expanded = apply_site_dora(graph, ref, expanded, idx, device)
         out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
     return out, None
 
@@ -217,6 +221,18 @@ def stacks_and_base(graph: fx.Graph, m: LinearMatch, ref: LoRAWeightRef, device,
 def _has_bias(m: LinearMatch, ref: LoRAWeightRef) -> bool:
     """The traced branch has a LoRA bias, or another adapter at the site has one (its slot needs it too)."""
     return m.lora_bias is not None or ref.lora_bias
+
+
+def apply_site_dora(graph, ref: LoRAWeightRef, y2d, idx, device):
+    """DoRA (pattern 6) at a site holding a DoRA adapter, whatever adapter the graph had active.
+
+    ``y2d`` is base output + LoRA delta (+ LoRA bias); DoRA slots rescale it
+    by their per-slot constants, every other row is left as it is.
+    """
+    if not ref.dora:
+        return y2d
+    stacked = stacked_input(graph, ref, STACKED_DORA, (ref.num_slots, 2, ref.out_features), device)
+    return fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_dora.default, y2d, stacked, idx)
 
 
 def add_site_bias(graph, m: LinearMatch, ref: LoRAWeightRef, y2d, idx, device):

@@ -1,4 +1,5 @@
 """Issue 5: the dump tool, the per-compile dump folder, TORCH_TRACE artifacts, the HTML view in a browser."""
+import html
 import logging
 import os
 import re
@@ -13,7 +14,7 @@ import torch
 
 import xla_lora_pass as xlp
 from xla_lora_pass import config
-from xla_lora_pass.demo_models import demo_llama_with_dora
+from xla_lora_pass.demo_models import demo_llama_with_near_misses
 from xla_lora_pass.dump import TRACE_AFTER, TRACE_BEFORE, TRACE_REPORT, dump_graphs
 from xla_lora_pass.dump import cli
 from xla_lora_pass.dump.views import render_dot, render_html, render_text
@@ -32,17 +33,17 @@ def two_layer_factory():
 
 
 @pytest.fixture(scope="module")
-def dora_dump():
-    """The demo Llama with a DoRA adapter on v_proj: 2 q_proj sites rewritten, 2 v_proj near misses."""
-    model, inputs = demo_llama_with_dora()
+def near_miss_dump():
+    """The demo Llama with v_proj scaled by a tensor: 2 q_proj sites rewritten, 2 v_proj near misses."""
+    model, inputs = demo_llama_with_near_misses()
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)
     dumps = cli.dump_model(model, (), inputs, meta)
     return dict(model=model, meta=meta, dumps=dumps, buckets=xlp.Buckets.pow2(min=8, max=256))
 
 
-def test_report_matches_the_models_lora_layers(dora_dump):
-    meta, [dump] = dora_dump["meta"], dora_dump["dumps"]
+def test_report_matches_the_models_lora_layers(near_miss_dump):
+    meta, [dump] = near_miss_dump["meta"], near_miss_dump["dumps"]
     report = dump.report
     rewritten = {s.site for s in report.sites}
     missed = {m.site for m in report.near_misses}
@@ -52,19 +53,20 @@ def test_report_matches_the_models_lora_layers(dora_dump):
     after = {n.name for n in dump.after.graph.nodes}
     for s in report.sites:
         spec = meta.sites[s.site]
-        assert (s.rank, s.num_slots) == (meta.site_rank(s.site), meta.num_slots) == (8, 4)
+        assert (s.rank, s.num_slots) == (meta.site_rank(s.site), meta.num_slots) == (8, 3)
         assert list(s.x_shape) == [2, 6, spec.in_features] and list(s.out_shape) == [2, 6, spec.out_features]
         assert s.replaced and set(s.replaced) <= before and not set(s.replaced) & after
     for m in report.near_misses:
-        assert m.reason == meta.sites[m.site].unsupported and m.reason.startswith("DoRA")
+        assert m.site.endswith("v_proj")
+        assert m.reason == "the delta is scaled by a tensor, not the adapter's constant scaling"
         assert set(m.nodes) <= before & after  # left exactly as they were
 
 
-def test_text_dump_lists_every_site_and_near_miss(dora_dump):
-    [dump] = dora_dump["dumps"]
-    text = render_text(dora_dump["dumps"], dora_dump["buckets"], title="demo")
+def test_text_dump_lists_every_site_and_near_miss(near_miss_dump):
+    [dump] = near_miss_dump["dumps"]
+    text = render_text(near_miss_dump["dumps"], near_miss_dump["buckets"], title="demo")
     for s in dump.report.sites:
-        assert re.search(rf"rewritten  {re.escape(s.site)}  \[lora_linear\].*rank 8  slots 4  replaced "
+        assert re.search(rf"rewritten  {re.escape(s.site)}  \[lora_linear\].*rank 8  slots 3  replaced "
                          rf"{re.escape(', '.join(s.replaced))}", text)
     for m in dump.report.near_misses:
         assert f"near miss  {m.site}  [lora_linear]  {m.reason}" in text
@@ -76,9 +78,9 @@ def test_text_dump_lists_every_site_and_near_miss(dora_dump):
     assert "     256  129-256         50%" in text  # the bucket table
 
 
-def test_html_highlights_new_and_replaced_nodes(dora_dump):
-    [dump] = dora_dump["dumps"]
-    page = render_html(dora_dump["dumps"], dora_dump["buckets"], title="demo")
+def test_html_highlights_new_and_replaced_nodes(near_miss_dump):
+    [dump] = near_miss_dump["dumps"]
+    page = render_html(near_miss_dump["dumps"], near_miss_dump["buckets"], title="demo")
     assert 'id="graph0-before"' in page and 'id="graph0-after"' in page
     replaced = [name for s in dump.report.sites for name in s.replaced]
     marked = re.findall(r'class="n replaced" data-node="(\w+)"', page)
@@ -88,11 +90,11 @@ def test_html_highlights_new_and_replaced_nodes(dora_dump):
     near = re.findall(r'class="n nearmiss" data-node="(\w+)"', page)
     assert sorted(near) == sorted(2 * [n for m in dump.report.near_misses for n in m.nodes])  # in both graphs
     for m in dump.report.near_misses:
-        assert m.reason in page
+        assert html.escape(m.reason) in page
 
 
-def test_dot_has_both_graphs_with_edges(dora_dump):
-    dot = render_dot(dora_dump["dumps"])
+def test_dot_has_both_graphs_with_edges(near_miss_dump):
+    dot = render_dot(near_miss_dump["dumps"])
     assert dot.startswith("digraph xla_lora_dump {") and dot.rstrip().endswith("}")
     assert "subgraph cluster_0_before {" in dot and "subgraph cluster_0_after {" in dot
     assert dot.count("fillcolor=\"#7fd67f\"") == 4  # the BGMV calls
@@ -114,14 +116,14 @@ def _chromium():
     pytest.skip("chromium is not installed here: apt-get install -y chromium (.ci/run installs it)")
 
 
-def test_html_view_renders_in_headless_chromium(dora_dump):
+def test_html_view_renders_in_headless_chromium(near_miss_dump):
     chromium = _chromium()
     os.makedirs(ARTIFACTS, exist_ok=True)
-    html_path = os.path.join(ARTIFACTS, "dump_demo_llama_with_dora.html")
-    png_path = os.path.join(ARTIFACTS, "dump_demo_llama_with_dora.png")
+    html_path = os.path.join(ARTIFACTS, "dump_demo_llama_with_near_misses.html")
+    png_path = os.path.join(ARTIFACTS, "dump_demo_llama_with_near_misses.png")
     if os.path.exists(png_path):
         os.remove(png_path)
-    page = render_html(dora_dump["dumps"], dora_dump["buckets"], title="demo_llama_with_dora")
+    page = render_html(near_miss_dump["dumps"], near_miss_dump["buckets"], title="demo_llama_with_near_misses")
     with open(html_path, "w") as f:
         f.write(page)
     with tempfile.TemporaryDirectory() as profile:

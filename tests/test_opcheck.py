@@ -38,6 +38,7 @@ def _samples():
         "bgmv_expand_slice": [((xr, b[:, :3], y, idx, 2, 3, True), {})],
         "bgmv_embedding_shrink": [((ids, emb_a, idx), {})],
         "bgmv_bias": [((y, bias, idx), {})],
+        "bgmv_dora": [((y, torch.randn(N, 2, O, generator=g), idx), {})],
         "bgmv_shrink_rows": [((x, a.transpose(1, 2).contiguous(), row_slots, 1.0), {})],
         "bgmv_expand_rows": [((xr, b.transpose(1, 2).contiguous(), y, row_slots, True), {})],
         "bgmv_shrink_blocked": [((x, a, *layout, 1.0), {})],

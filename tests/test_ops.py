@@ -93,3 +93,20 @@ def test_ops_under_openxla_match_reference(xla_device):
     out = compiled(*(t.to(xla_device) for t in (x, a, b, y, idx))).cpu()
     ref = ops.bgmv_expand_reference(ops.bgmv_shrink_reference(x, a, idx, 0.25), b, y, idx)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dora_rescales_dora_slots_and_leaves_other_rows_exactly_unchanged(xla_device):
+    _, _, _, y, idx = _case()
+    g = torch.Generator().manual_seed(1)
+    dora = torch.randn(3, 2, y.shape[1], generator=g)
+    dora[1] = 0  # a plain LoRA slot: gain and shift zero
+    out = torch.ops.xla_lora.bgmv_dora(y, dora, idx)
+    torch.testing.assert_close(out, ops.bgmv_dora_reference(y, dora, idx))
+    keep = (idx == -1) | (idx == 1)
+    assert torch.equal(out[keep], y[keep])
+    t = int((idx == 0).nonzero()[0])
+    torch.testing.assert_close(out[t], y[t] * (1 + dora[0, 0]) - dora[0, 1])
+    on_xla = torch.compile(torch.ops.xla_lora.bgmv_dora, backend="openxla")(
+        y.to(xla_device), dora.to(xla_device), idx.to(xla_device)).cpu()
+    torch.testing.assert_close(on_xla, out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(on_xla[keep], y[keep])

@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import xla_cpu_flags  # first: XLA reads XLA_FLAGS when its runtime starts
 from . import config, ops  # ops before the passes: registers torch.ops.xla_lora
 from .backend import LoRABackend, make_backend
-from .errors import UnsupportedMappingError
+from .errors import UnsupportedAdapterError, UnsupportedMappingError
 from .bucketing import Buckets
 from .metadata import NO_LORA, LoRAMetadata
 from .rewrite import capture_graphs, rewrite
@@ -36,6 +36,7 @@ def xla_lora_backend(gm, example_inputs):
 
 
 __all__ = [
-    "Buckets", "LoRABackend", "capture_graphs", "LoRAMetadata", "NO_LORA", "UnsupportedMappingError", "config",
+    "Buckets", "LoRABackend", "capture_graphs", "LoRAMetadata", "NO_LORA", "UnsupportedAdapterError",
+    "UnsupportedMappingError", "config",
     "default_metadata", "make_backend", "ops", "rewrite", "xla_lora_backend",
 ]

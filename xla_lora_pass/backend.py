@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 import torch
 import torch.fx as fx
 
-from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport,
+from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, STACKED_DORA, TOKEN_INDICES, RewriteReport,
                             unrewritten_lora_weights)
 from graph_rewrites.annotations import (LAYOUT_KINDS, POOLED_ROW_SLOTS, ROW_SLOTS, SAVED_MODULE_PARAM,
                                         SEGMENT_BLOCK_SLOTS, SEGMENT_KINDS, STACKED_A_T, STACKED_B_T)
@@ -375,6 +375,8 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
             extras.append(meta.stacked_b(req.site, device))
         elif req.kind == STACKED_BIAS:
             extras.append(meta.stacked_bias(req.site, device))
+        elif req.kind == STACKED_DORA:
+            extras.append(meta.stacked_dora(req.site, device))
         elif req.kind in LAYOUT_KINDS:
             extras.append(meta.block_layout(device, token_dims, padded_dims)[LAYOUT_KINDS.index(req.kind)])
         elif req.kind in SEGMENT_KINDS:

@@ -10,6 +10,7 @@ passes = {
     "normalize": True,
     "lora_embedding": True,
     "lora_bias": True,
+    "lora_dora": True,
     "lora_linear": True,
     # Off: a site whose adapters are all inactive (no LoRA branch in the graph) is left as its base op,
     # and the graph then accepts only a uniform mapping; never a wrong batch.

@@ -137,12 +137,12 @@ DORA_ADAPTER = "dora"
 
 
 def demo_llama_with_dora(batch: int = 2, seq_len: int = 6):
-    """``demo_llama`` plus a fourth adapter using DoRA on v_proj: the v_proj sites become near misses.
+    """``demo_llama`` plus a fourth adapter using DoRA on v_proj: every site is rewritten.
 
-    The active adapter (sql) is plain LoRA everywhere, but a site holding a
-    DoRA adapter can never be rewritten (DoRA rescales the output by a weight
-    norm the kernels do not compute), so both v_proj sites are left alone and
-    reported with that reason, while both q_proj sites are rewritten.
+    The v_proj sites also rescale the rows of DoRA slots per token
+    (``bgmv_dora``), with magnitude / ||W + s*B@A|| folded into per-slot
+    constants at registration; rows of other adapters are left as the
+    expand made them.
     """
     from peft import LoraConfig
 
@@ -151,3 +151,20 @@ def demo_llama_with_dora(batch: int = 2, seq_len: int = 6):
                                                init_lora_weights=False))
     model.set_adapter(names[0])
     return model.eval(), {"input_ids": _demo_input_ids(batch, seq_len)}
+
+
+def demo_llama_with_near_misses(batch: int = 2, seq_len: int = 6):
+    """``demo_llama`` whose v_proj layers scale their delta by a tensor: the v_proj sites are near misses.
+
+    A layer that multiplies by a tensor instead of its adapter's constant
+    scaling (a custom variant) is not the computation the kernels do, so both
+    v_proj sites are left alone and reported with that reason, while both
+    q_proj sites are rewritten.
+    """
+    import torch
+
+    model, names = tiny_peft_llama()
+    for name, module in model.named_modules():
+        if name.endswith("v_proj") and hasattr(module, "scaling"):
+            module.scaling[names[0]] = torch.tensor(module.scaling[names[0]])
+    return model, {"input_ids": _demo_input_ids(batch, seq_len)}

@@ -93,13 +93,9 @@ def _check_saved_module(meta, name: str, module, args, kwargs, output):
 
 @torch._dynamo.disable  # a check on the host: nothing in it is for Dynamo to compile
 def _refuse_lora_layer(meta, site_name: str, module) -> None:
-    if getattr(module, "disable_adapters", False):
-        active, held = [], []
-    else:
-        active = list(getattr(module, "active_adapters", []))
-        lora = getattr(module, "lora_A", {}) or {}
-        embedding = getattr(module, "lora_embedding_A", {}) or {}
-        held = [a for a in active if a in lora or a in embedding]
+    site = meta.sites[site_name]
+    held = site.format.computed_adapters(module, site)  # what its format's eager forward adds
+    active = [] if getattr(module, "disable_adapters", False) else list(getattr(module, "active_adapters", held))
     _refuse_unless_uniform(meta, f"LoRA layer {site_name}", active, held)
 
 

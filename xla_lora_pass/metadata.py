@@ -34,6 +34,7 @@ import contextlib
 import logging
 import math
 import numbers
+import os
 import threading
 import types
 import warnings
@@ -44,8 +45,12 @@ import torch
 from graph_rewrites import GROUP_SEPARATOR
 
 from . import eager_guard
-from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
+from .adapters import AdapterWeights, SiteSpec
+from .dora import dora_rows, stack_dora
 from .errors import UnsupportedMappingError
+from .formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
+from .formats.peft_dir import read_adapter_dir
+from .formats.state import split_state
 from .generation import route_generate
 from .saved_modules import SavedModuleSpec, iter_saved_modules
 from .ops_blocked import padded_layout
@@ -76,6 +81,7 @@ class LoRAMetadata:
         self._host_stacks: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._device_stacks: Dict[Tuple[str, str, str], torch.Tensor] = {}  # (site, role, device)
         self._host_bias: Dict[str, torch.Tensor] = {}
+        self._host_dora: Dict[str, torch.Tensor] = {}  # [N, 2, out] per site holding a DoRA adapter (dora.py)
         self._mapping: Optional[torch.Tensor] = None  # per token (set_token_adapters)
         self._request_rows: Optional[torch.Tensor] = None  # per batch row (set_request_adapters)
         self._index_cache: Dict[tuple, torch.Tensor] = {}  # device index tensors per mapping and bucket
@@ -122,25 +128,30 @@ class LoRAMetadata:
                 f"unknown adapter {adapter!r}; registered: {[s for s in self._slots if s is not None]}"
             ) from None
 
-    def register_adapters(self, model: torch.nn.Module) -> List[str]:
+    def register_adapters(self, model: torch.nn.Module, *, adapter_name: str = DEFAULT_ADAPTER) -> List[str]:
         """Stack every loaded adapter of every LoRA layer of ``model``; return slot names.
 
+        LoRA layers are read by the readers of ``formats`` (PEFT, torchtune,
+        loralib, hand-written modules); ``adapter_name`` names the adapter of
+        the formats that hold one per layer.  A layer that cannot be served
+        exactly is refused here (``UnsupportedAdapterError``, naming it).
         Registering again replaces what was registered before.
         """
-        sites = list(iter_lora_sites(model))
+        sites = list(iter_lora_sites(model, adapter_name))
         saved = list(iter_saved_modules(model))  # refuses, by name, a kind it cannot serve exactly
         if not sites:
             warnings.warn(
                 f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
                 stacklevel=2,
             )
-        names = adapter_names(model) if sites or saved else []
+        names = adapter_names(model, sites) if sites or saved else []
         num_slots = self.max_slots if self.max_slots is not None else len(names)
         if len(names) > num_slots:
             raise ValueError(f"{len(names)} adapters {names} do not fit max_slots={num_slots}")
         with self._lock:
             slots = list(names) + [None] * (num_slots - len(names))
             host_stacks = {s.name: self._stack_site(s, slots) for s in sites}
+            host_dora = {s.name: stack_dora(s, slots) for s in sites if s.has_dora}
             self._slots = slots
             self._sites = {s.name: s for s in sites}
             self._saved = {m.name: m for m in saved}
@@ -148,6 +159,7 @@ class LoRAMetadata:
             self._host_stacks = host_stacks
             self._host_bias = {s.name: self._stack_bias(s, slots) for s in sites
                                if any(w.bias is not None for w in s.adapters.values())}
+            self._host_dora = host_dora
             self._device_stacks.clear()
             if self._sharding is not None:
                 self._sharding.forget()
@@ -201,9 +213,19 @@ class LoRAMetadata:
                      config=None) -> int:
         """Load one adapter's weights into its slot (or the first free one); never recompiles.
 
-        ``state`` is a PEFT-style state dict (``<site>.lora_A.weight`` /
-        ``<site>.lora_B.weight``, an adapter name may stand before ``.weight``).
-        The scaling comes from ``scaling`` or from a PEFT ``LoraConfig``.
+        ``state`` is a state dict in the registered layers' own keys (PEFT
+        ``<site>.lora_A.weight``, an adapter name may stand before
+        ``.weight``; torchtune ``<site>.lora_a.weight``; loralib
+        ``<site>.lora_A``; ``formats/``).  The scaling comes from ``scaling``,
+        from a PEFT ``LoraConfig``, or else from the layer's own formula
+        (torchtune's and loralib's alpha over the loaded rank; a hand-written
+        layer's scaling when the rank is its own).
+
+        ``state`` may also be a PEFT adapter directory (``save_pretrained``:
+        ``adapter_config.json`` and ``adapter_model.safetensors``, or a
+        ``.bin`` read with ``torch.load(weights_only=True)``); the scaling
+        then comes from its config (alpha, ``alpha_pattern``, rsLoRA) and a
+        DoRA adapter's magnitudes from its weights (``formats/peft_dir.py``).
 
         Weights may be of any floating dtype, cast to the site's stack dtype
         (the model's LoRA dtype), and on any device that holds data (CPU, XLA,
@@ -214,9 +236,12 @@ class LoRAMetadata:
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"load_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
+        if isinstance(state, (str, os.PathLike)):
+            saved_state, saved_config = read_adapter_dir(f"load_adapter({name!r})", state)
+            state, config = saved_state, config if config is not None else saved_config
         if not isinstance(state, Mapping):
-            raise TypeError(f"load_adapter({name!r}): state must be a mapping of name -> tensor, got "
-                            f"{type(state).__name__}")
+            raise TypeError(f"load_adapter({name!r}): state must be a mapping of name -> tensor or a saved PEFT "
+                            f"adapter directory, got {type(state).__name__}")
         if not self._sites:
             raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
                                "register_adapters(model) with a model that has LoRA layers first")
@@ -225,16 +250,28 @@ class LoRAMetadata:
             raise ValueError(f"load_adapter({name!r}): this adapter has PEFT modules_to_save copies ({saved}) that "
                              "load_adapter cannot replace, so its rows would mix new LoRA weights with the old "
                              "copies; load it into the PEFT model and call register_adapters(model) again")
-        per_site = _split_state(state, self._sites)
+        per_site = split_state(f"load_adapter({name!r})", state, self._sites)
         if not per_site:
             raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
         weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        for site_name, (lora_a, lora_b) in per_site.items():
+        dora: Dict[str, torch.Tensor] = {}
+        for site_name, roles in per_site.items():
             site = self._sites[site_name]
+            lora_a, lora_b = roles["A"], roles["B"]
             stack_a, _ = self._host_stacks[site_name]
+            where = f"load_adapter({name!r}): {site_name}"
             self._check_loaded(name, site, stack_a, lora_a, lora_b)
-            loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, lora_a.shape[0], scaling, config))
-            weights[site_name] = _host_slot_weights(f"load_adapter({name!r}): {site_name}", loaded, stack_a.dtype)
+            loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config),
+                                    magnitude=roles.get("magnitude"))
+            weights[site_name] = _host_slot_weights(where, loaded, stack_a.dtype)
+            if loaded.magnitude is None and getattr(config, "use_dora", False):
+                raise KeyError(f"{where}: the config says DoRA but the state has no lora_magnitude_vector for it")
+            if loaded.magnitude is not None:
+                if site_name not in self._host_dora:
+                    raise ValueError(f"{where}: a DoRA adapter, but the site was registered without one, so its "
+                                     "compiled graphs do not rescale per slot; register the model with a DoRA "
+                                     "adapter at this site (PEFT use_dora=True)")
+                dora[site_name] = dora_rows(where, site, loaded)
         with self._lock:
             if name in self._slots:
                 slot = self._slots.index(name)
@@ -254,6 +291,8 @@ class LoRAMetadata:
                     stack_b[slot].zero_()
             for bias in self._host_bias.values():
                 bias[slot].zero_()  # a loaded adapter brings no LoRA bias
+            for site_name, rows in self._host_dora.items():
+                rows[slot] = dora.get(site_name, 0.0)  # zeros: a plain LoRA slot, left as the expand made it
             # Fresh transfers at the next call rather than in-place device writes: no program to compile.
             self._device_stacks.clear()
         return slot
@@ -367,6 +406,14 @@ class LoRAMetadata:
                 self._device_stacks[key] = self._host_bias[site_name].to(device)
                 if self._sharding is not None and torch.device(device).type == "xla":
                     self._sharding.place_bias(site_name, self._device_stacks[key])
+            return self._device_stacks[key]
+
+    def stacked_dora(self, site_name: str, device) -> torch.Tensor:
+        """The site's per-slot DoRA rescaling ``[N, 2, out]`` (gain, shift; dora.py) on ``device``, replicated."""
+        key = (site_name, "dora", str(device))
+        with self._lock:
+            if key not in self._device_stacks:
+                self._device_stacks[key] = self._host_dora[site_name].to(device)
             return self._device_stacks[key]
 
     def shard(self, mesh, layout=None, *, axis: Optional[str] = None, both: bool = False):
@@ -687,17 +734,23 @@ class LoRAMetadata:
                 self._stats[key][sub] = self._stats[key].get(sub, 0) + n
 
 
-def _scaling_for(name: str, rank: int, scaling: Optional[float], config) -> float:
+def _scaling_for(name: str, site: SiteSpec, rank: int, scaling: Optional[float], config) -> float:
     if scaling is not None:
         if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
             raise TypeError(f"load_adapter({name!r}): scaling must be a real number, got {scaling!r:.80}")
         if not math.isfinite(scaling):
             raise ValueError(f"load_adapter({name!r}): scaling must be finite, got {scaling}")
         return float(scaling)
+    if hasattr(config, "scaling_for"):  # a saved adapter's config: per-site alpha (alpha_pattern), rsLoRA
+        return config.scaling_for(site.name, rank)
     if config is not None:
         alpha = config.lora_alpha
         return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
-    raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config=")
+    own = site.format.default_scaling(site, rank) if site.format is not None else None
+    if own is not None:
+        return float(own)  # the layer's own formula (torchtune, loralib), or its scaling at its own rank
+    raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config= (site {site.name!r} "
+                     f"has no scaling of its own for rank {rank})")
 
 
 def _host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -717,36 +770,3 @@ def _host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tup
             raise ValueError(f"{where}: {what} has {bad} NaN or inf value(s) (as {dtype}); adapter weights "
                              "must be finite")
     return lora_a, scaled_b
-
-
-def _split_state(state: Mapping[str, torch.Tensor], sites: Mapping[str, SiteSpec]):
-    """Group a PEFT-style state dict by site: {site: (A, B)}; unknown keys are errors."""
-    found: Dict[str, Dict[str, torch.Tensor]] = {}
-    for key, tensor in state.items():
-        if not isinstance(key, str):
-            raise TypeError(f"load_adapter: state keys must be str, got {key!r:.80}")
-        parts = key.split(".")
-        role_at = next((i for i, p in enumerate(parts) if p in ("lora_A", "lora_B", "lora_embedding_A",
-                                                                 "lora_embedding_B")), None)
-        is_embedding = role_at is not None and parts[role_at].startswith("lora_embedding")
-        if role_at is None or not (parts[-1] == "weight" or is_embedding):
-            raise KeyError(f"load_adapter: {key!r} is not a lora_A / lora_B weight")
-        prefix = ".".join(parts[:role_at])
-        site = _match_site(prefix, sites)
-        if site is None:
-            raise KeyError(f"load_adapter: {key!r} names no registered LoRA site")
-        role = "A" if parts[role_at].endswith("A") else "B"
-        found.setdefault(site, {})[role] = tensor
-    out = {}
-    for site, roles in found.items():
-        if set(roles) != {"A", "B"}:
-            raise KeyError(f"load_adapter: site {site!r} has {sorted(roles)} but needs both lora_A and lora_B")
-        out[site] = (roles["A"], roles["B"])
-    return out
-
-
-def _match_site(prefix: str, sites: Mapping[str, SiteSpec]) -> Optional[str]:
-    if prefix in sites:
-        return prefix
-    hits = [s for s in sites if s.endswith("." + prefix) or prefix.endswith("." + s)]
-    return hits[0] if len(hits) == 1 else None

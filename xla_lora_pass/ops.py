@@ -31,6 +31,8 @@ __all__ = [
     "bgmv_embedding_shrink_reference",
     "bgmv_bias",
     "bgmv_bias_reference",
+    "bgmv_dora",
+    "bgmv_dora_reference",
 ]
 
 
@@ -224,6 +226,45 @@ def bgmv_bias(y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.T
 
 @bgmv_bias.register_fake
 def _bgmv_bias_fake(y, bias, idx):
+    return torch.empty_like(y)
+
+
+# ---------------------------------------------------------------------------
+# DoRA's per-slot output rescaling (pattern 6).
+# ---------------------------------------------------------------------------
+
+
+def bgmv_dora_reference(y, dora, idx):
+    """``y * (1 + dora[idx, 0]) - dora[idx, 1]``; rows with idx == -1 unchanged.
+
+    ``dora[k] = (m/||W + s B A|| - 1, (m/||W + s B A|| - 1) * base bias)`` for a
+    DoRA slot, zeros for any other: with ``y`` = base output + LoRA delta, a
+    DoRA row becomes ``m/||.|| * (W x + s B A x) + bias``, PEFT's formula.
+    """
+    valid = (idx >= 0).unsqueeze(-1)
+    rows = dora[idx.clamp(min=0).long()].to(torch.float32)  # [T, 2, O]
+    out = y.to(torch.float32) * (1 + rows[:, 0]) - rows[:, 1]
+    return torch.where(valid, out.to(y.dtype), y)
+
+
+@torch.library.custom_op("xla_lora::bgmv_dora", mutates_args=())
+def bgmv_dora(y: torch.Tensor, dora: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """DoRA's rescaling per token: ``y + g[idx] * y - c[idx]`` with ``dora = [N, 2, O]`` = (g, c); -1 rows unchanged."""
+    torch._check(y.shape[0] == idx.shape[0], lambda: f"bgmv_dora: {y.shape[0]} rows but {idx.shape[0]} indices")
+    torch._check(dora.dim() == 3 and dora.shape[1] == 2, lambda: f"bgmv_dora: dora must be [N, 2, O], got "
+                                                                  f"{tuple(dora.shape)}")
+    num_slots, _, out_features = dora.shape
+    # One-hot [T, N] @ [N, 2*O]: both per-slot rows in one matmul; -1 is an all-zero row, so g = c = 0 there
+    # and the row comes back as y exactly (a plain LoRA slot's zeros do the same).
+    onehot = _slot_mask(idx, num_slots).to(torch.float32)
+    gathered = onehot @ dora.reshape(num_slots, 2 * out_features).to(torch.float32)
+    gain, shift = gathered[:, :out_features], gathered[:, out_features:]
+    y32 = y.to(torch.float32)
+    return (y32 + gain * y32 - shift).to(y.dtype)
+
+
+@bgmv_dora.register_fake
+def _bgmv_dora_fake(y, dora, idx):
     return torch.empty_like(y)
 
 

@@ -19,7 +19,7 @@ from graph_rewrites import (BASE_WEIGHT, LORA_WEIGHT, SAVED_PARAM, LoRAWeightRef
 
 from . import config
 from . import ops  # noqa: F401  (registers torch.ops.xla_lora before any pass runs)
-from .adapters import lora_param_from_source
+from .formats.peft import lora_param_from_source
 from .metadata import LoRAMetadata
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ def _site_ref(meta: LoRAMetadata, site_name: str, adapter: Optional[str], role: 
         in_features=site.in_features, out_features=site.out_features, scaling=scaling,
         num_slots=meta.num_slots, stacked_rank=meta.site_rank(site_name), dtype=any_w.lora_a.dtype,
         unsupported=site.unsupported, lora_bias=any(w.bias is not None for w in site.adapters.values()),
+        dora=site.has_dora,
     )
 
 

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "every LoRA site rewritten and every near miss.")
     p.add_argument("factory", nargs="?", default=DEFAULT_FACTORY,
                    help=f"MODULE:FACTORY returning (model, example inputs); default {DEFAULT_FACTORY}; "
-                        "also xla_lora_pass.demo_models:demo_llama_with_dora (near misses)")
+                        "also xla_lora_pass.demo_models:demo_llama_with_near_misses (near misses)")
     p.add_argument("--format", choices=("text", "html", "dot"), default="text")
     p.add_argument("-o", "--output", help="write here instead of stdout")
     p.add_argument("--open", action="store_true", help="open the HTML view in a browser (--format html)")

@@ -1,0 +1,86 @@
+"""A saved PEFT adapter directory (``save_pretrained``), read as data only.
+
+``adapter_config.json`` is parsed as JSON (no PEFT import, no code run) and
+the weights come from ``adapter_model.safetensors`` (a flat table of
+tensors), or else ``adapter_model.bin`` through ``torch.load(weights_only=True)``,
+which unpickles tensors and plain containers only.  Whatever does not fit the
+registered sites is refused by ``load_adapter`` before any slot changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Dict, Mapping, Tuple
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedLoraConfig:
+    """The fields of a saved ``LoraConfig`` that decide each site's scaling."""
+
+    lora_alpha: float
+    use_rslora: bool = False
+    use_dora: bool = False
+    alpha_pattern: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def scaling_for(self, site: str, rank: int) -> float:
+        """PEFT's scaling at ``site`` for an adapter of ``rank``: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+        alpha = self.lora_alpha
+        for pattern, value in self.alpha_pattern.items():  # PEFT matches a pattern against the key's end
+            if re.match(rf"(.*\.)?{pattern}$", site):
+                alpha = value
+                break
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+def read_adapter_dir(where: str, path) -> Tuple[Dict[str, torch.Tensor], SavedLoraConfig]:
+    """(state dict, config) of a saved PEFT LoRA adapter; refuses what load_adapter cannot serve."""
+    path = os.fspath(path)
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{where}: {path!r} has no {CONFIG_FILE}: give a directory written by PEFT's "
+                                "save_pretrained, or a state dict")
+    with open(config_path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: {config_path} is not a JSON object")
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: {config_path} is a {raw.get('peft_type')} adapter; only LoRA is served")
+    for field, why in (("modules_to_save", "full module copies"), ("lora_bias", "a LoRA bias")):
+        if raw.get(field):
+            raise ValueError(f"{where}: {config_path} sets {field}: {why} cannot be loaded into a slot; "
+                             "register a model that holds this adapter instead")
+    alpha = raw.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{where}: {config_path} has no finite number lora_alpha (got {alpha!r:.40})")
+    alpha_pattern = raw.get("alpha_pattern") or {}
+    if not isinstance(alpha_pattern, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in alpha_pattern.values()):
+        raise ValueError(f"{where}: {config_path} alpha_pattern must map patterns to numbers")
+    config = SavedLoraConfig(lora_alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)),
+                             use_dora=bool(raw.get("use_dora", False)),
+                             alpha_pattern={str(k): float(v) for k, v in alpha_pattern.items()})
+    return _read_weights(where, path), config
+
+
+def _read_weights(where: str, path: str) -> Dict[str, torch.Tensor]:
+    tensors = os.path.join(path, SAFETENSORS_FILE)
+    if os.path.isfile(tensors):
+        from safetensors.torch import load_file
+
+        return load_file(tensors, device="cpu")
+    pickled = os.path.join(path, PICKLE_FILE)
+    if os.path.isfile(pickled):
+        state = torch.load(pickled, map_location="cpu", weights_only=True)  # tensors and containers only
+        if not isinstance(state, dict):
+            raise ValueError(f"{where}: {pickled} holds a {type(state).__name__}, not a state dict")
+        return state
+    raise FileNotFoundError(f"{where}: {path!r} has neither {SAFETENSORS_FILE} nor {PICKLE_FILE}")
