@@ -67,8 +67,21 @@ def _flat_source(x2d: fx.Node) -> fx.Node:
     return x2d
 
 
+def _is_transpose(node: fx.Node, weight: fx.Node) -> bool:
+    """``weight.t()`` / ``.T`` / ``.transpose(0, 1)``: how loralib's ``fan_in_fan_out`` layers read [in, out]."""
+    if node.op == "call_method" and node.args and node.args[0] is weight:
+        return node.target == "t" or (node.target == "transpose" and set(node.args[1:]) == {0, 1})
+    if node.op == "call_function" and node.args and node.args[0] is weight:
+        return (node.target in (torch.t, torch.transpose) and set(node.args[1:]) <= {0, 1}) or (
+            node.target is getattr and node.args[1:] == ("T",))
+    return False
+
+
 def base_op(use: fx.Node, weight: fx.Node, kind: str) -> Optional[BaseOp]:
     """The use as the site's base op (None if it is some other kind of use)."""
+    if kind == "linear" and _is_transpose(use, weight) and len(use.users) == 1:
+        # linear(x, W.T) with W stored [in, out]: the linear is the base op, whatever layout W has.
+        return base_op(next(iter(use.users)), use, kind)
     if use.op != "call_function":
         return None
     if kind == "linear" and use.target in _LINEAR and _arg(use, 1, "weight") is weight:
