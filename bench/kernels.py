@@ -12,7 +12,10 @@ every form compiled with plain ``openxla`` on the XLA CPU device:
 * blocked + layout: the same, also building the layout on the host and copying it to the device
   every call (the per-step cost, paid once per step however many layers there are);
 * rows: base + ``bgmv_shrink_rows`` / ``bgmv_expand_rows`` (ops_rows.py, the default kernel) for the
-  per-request case: the tokens as 16 rows of T/16, row i on adapter i mod N.
+  per-request case: the tokens as 16 rows of T/16, row i on adapter i mod N;
+* segments: base + ``bgmv_shrink_segments`` / ``bgmv_expand_segments`` (ops_segments.py) for the same
+  tokens packed as 16 requests of T/16 in one row (blocks of ``config.segment_block_tokens`` with
+  ``config.segment_slots_per_block`` passes), the layout already on the device.
 
 Each repetition runs every form in turn; the ratios are within one repetition.
 """
@@ -43,7 +46,8 @@ def main(argv=None) -> int:
     import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
     from xla_lora_pass.ops_blocked import build_layout
 
-    from xla_lora_pass import ops_blocked
+    from xla_lora_pass import config, ops_blocked
+    from xla_lora_pass.ops_segments import build_segment_layout
 
     dev = torch_xla.device()
     g = torch.Generator().manual_seed(0)
@@ -77,6 +81,15 @@ def main(argv=None) -> int:
     row_slots_host = torch.arange(16, dtype=torch.int32) % n
     row_slots = row_slots_host.to(dev)
     a_t, b_t = a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()  # the row kernel's layout
+    def segments(x, w, a, b, block_slots, pick):
+        y = x @ w.t()
+        s = torch.ops.xla_lora.bgmv_shrink_segments(x, a, block_slots, pick, 1.0)
+        return torch.ops.xla_lora.bgmv_expand_segments(s, b, y, block_slots, pick, True)
+
+    seg_idx = row_slots_host.repeat_interleave(t // 16)
+    seg_layout = [v.to(dev) for v in build_segment_layout(seg_idx, config.segment_block_tokens,
+                                                          config.segment_slots_per_block)]
+    c_segments = torch.compile(segments, backend="openxla")
     c_rows = torch.compile(rows, backend="openxla")
     c_base = torch.compile(base, backend="openxla")
     c_masked = torch.compile(masked, backend="openxla")
@@ -90,6 +103,8 @@ def main(argv=None) -> int:
         got_rows = c_rows(x, w, a_t, b_t, row_slots).cpu()
         ref_rows = c_masked(x, w, a, b, row_slots_host.repeat_interleave(t // 16).to(dev)).cpu()
         torch.testing.assert_close(got_rows, ref_rows, atol=1e-3, rtol=1e-4)
+        got_segments = c_segments(x, w, a_t, b_t, *seg_layout).cpu()
+        torch.testing.assert_close(got_segments, ref_rows, atol=1e-3, rtol=1e-4)
 
     def run(fn, *inputs):
         def call():
@@ -110,6 +125,8 @@ def main(argv=None) -> int:
         "blocked, layout on device": run(c_blocked, x, w, a, b, *layout),
         "blocked + host layout each call": blocked_with_layout,
         "rows (ops_rows.py), one adapter per row of 16": run(c_rows, x, w, a_t, b_t, row_slots),
+        f"segments (ops_segments.py), 16 requests of {t // 16} in one row": run(c_segments, x, w, a_t, b_t,
+                                                                                *seg_layout),
     }
     for fn in fns.values():  # warm up: compile and settle
         for _ in range(3):

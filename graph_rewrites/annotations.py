@@ -32,6 +32,11 @@ LAYOUT_TOKEN_ROW = "layout_token_row"
 LAYOUT_KINDS = (LAYOUT_ROW_TOKEN, LAYOUT_BLOCK_SLOT, LAYOUT_TOKEN_ROW)
 # The row kernel's per-step input: the slot of each row of the token grid (xla_lora_pass/ops_rows.py).
 ROW_SLOTS = "row_slots"
+# The segment kernel's per-step layout (xla_lora_pass/ops_segments.py), shared by every site: each block's
+# slots [max_blocks, K] and each token's pass [max_num_tokens].
+SEGMENT_BLOCK_SLOTS = "segment_block_slots"
+SEGMENT_PICK = "segment_pick"
+SEGMENT_KINDS = (SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +60,9 @@ class LoRAWeightRef:
 class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
-    kind: str  # TOKEN_INDICES, ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS or one of LAYOUT_KINDS
+    kind: str  # TOKEN_INDICES, ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS, LAYOUT_KINDS, SEGMENT_KINDS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32
+    # SEGMENT_KINDS: (tokens per block, slots per block) the graph was rewritten for; the layout is built with them.
+    blocks: Tuple[int, ...] = ()

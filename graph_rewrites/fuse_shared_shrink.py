@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from . import fx_utils
 from .annotations import LORA_INPUT, STACKED_A, STACKED_A_T, GraphInputRequest
+from .lora_linear import KERNEL_OPS
 from .report import RewriteContext
 
 PATTERN_NAME = "fuse_shared_shrink"
@@ -32,10 +33,10 @@ def _same_value_key(node: fx.Node) -> Tuple:
 
 
 def _shrink_groups(graph: fx.Graph) -> List[List[fx.Node]]:
-    """Shrinks (masked, blocked or rows) whose arguments other than A are the same values."""
+    """Shrinks (of any kernel) whose arguments other than A are the same values."""
     groups: Dict[Tuple, List[fx.Node]] = collections.defaultdict(list)
-    ops = torch.ops.xla_lora
-    for target in (ops.bgmv_shrink.default, ops.bgmv_shrink_blocked.default, ops.bgmv_shrink_rows.default):
+    for shrink, _, _ in KERNEL_OPS.values():
+        target = getattr(torch.ops.xla_lora, shrink).default
         for node in graph.find_nodes(op="call_function", target=target):
             x2d, w, *rest = node.args
             request = w.meta.get(LORA_INPUT)
@@ -57,7 +58,7 @@ def fuse_shared_shrinks(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
         first = group[0]
         requests = [n.args[1].meta[LORA_INPUT] for n in group]
         kind = requests[0].kind
-        rank_dim = 2 if kind == STACKED_A_T else 1  # the row kernel's A is [N, in, R]
+        rank_dim = 2 if kind == STACKED_A_T else 1  # the transposed A (rows, segments) is [N, in, R]
         ranks = [r.shape[rank_dim] for r in requests]
         shape = list(requests[0].shape)
         shape[rank_dim] = sum(ranks)

@@ -30,7 +30,7 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 from . import fx_utils
 from .annotations import LORA_WEIGHT, STACKED_A, STACKED_A_T, STACKED_B, STACKED_B_T, STACKED_BIAS, LoRAWeightRef
 from .report import NearMiss, RewriteContext, SiteRewrite
-from .site_inputs import device_of, dims_key, site_block_layout, site_indices, site_row_slots, stacked_input
+from .site_inputs import device_of, dims_key, site_indices, site_kernel_inputs, stacked_input
 
 PATTERN_NAME = "lora_linear"
 
@@ -154,42 +154,44 @@ def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext
     """Insert the shrink/expand nodes before ``m.output``; returns (new output, None) or (None, reason).
 
     Sites on the graph's token layout use the kernel ``ctx.kernel`` names
-    (row, blocked or masked); a row selection (``lm_head`` on the last rows)
-    reads the token indices, and so does a LoRA bias.
+    (row, segment, blocked or masked); a row selection (``lm_head`` on the
+    last rows) reads the token indices, and so does a LoRA bias.
     """
     ref: LoRAWeightRef = m.weight
     device = device_of(m.x)
     with graph.inserting_before(m.output):
         x2d = fx_utils.call(graph, "call_method", "reshape", m.x, -1, ref.in_features)
-        row_slots = site_row_slots(graph, ctx, m.x, 1, device)
-        layout = None if row_slots is not None else site_block_layout(graph, ctx, m.x, x2d, 1, device)
+        kernel, inputs = site_kernel_inputs(graph, ctx, m.x, x2d, 1, device)
         idx = None
-        if (row_slots is None and layout is None) or m.lora_bias is not None:
+        if kernel == "masked" or m.lora_bias is not None:
             idx, reason = site_indices(graph, ctx, m.x, x2d, 1, device)
             if idx is None:
                 graph.erase_node(x2d)
                 return None, reason
-        stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device, transposed=row_slots is not None)
-        shrunk, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, idx, layout, row_slots)
+        if kernel == "masked":
+            inputs = (idx,)
+        stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device, transposed=KERNEL_OPS[kernel][2])
+        shrunk, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, kernel, inputs)
         expanded = add_site_bias(graph, m, ref, expanded, idx, device)
         out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
     return out, None
 
 
-def emit_shrink_expand(graph: fx.Graph, x2d, stacked_a, stacked_b, base2d, idx, layout, row_slots):
-    """The (shrink, expand) pair in the kernel the site's inputs select: rows, blocked or masked."""
-    ops = torch.ops.xla_lora
-    if row_slots is not None:
-        shrunk = fx_utils.call(graph, "call_function", ops.bgmv_shrink_rows.default, x2d, stacked_a, row_slots, 1.0)
-        return shrunk, fx_utils.call(graph, "call_function", ops.bgmv_expand_rows.default,
-                                     shrunk, stacked_b, base2d, row_slots, True)
-    if layout is not None:
-        shrunk = fx_utils.call(graph, "call_function", ops.bgmv_shrink_blocked.default, x2d, stacked_a, *layout, 1.0)
-        return shrunk, fx_utils.call(graph, "call_function", ops.bgmv_expand_blocked.default,
-                                     shrunk, stacked_b, base2d, *layout, True)
-    shrunk = fx_utils.call(graph, "call_function", ops.bgmv_shrink.default, x2d, stacked_a, idx, 1.0)
-    return shrunk, fx_utils.call(graph, "call_function", ops.bgmv_expand.default,
-                                 shrunk, stacked_b, base2d, idx, True)
+# Per kernel: its shrink and expand ops (each takes the kernel's per-step inputs after the weights, the
+# expand after y too) and whether it reads the transposed stacks ([N, in, R] / [N, R, out]).
+KERNEL_OPS = {
+    "masked": ("bgmv_shrink", "bgmv_expand", False),
+    "rows": ("bgmv_shrink_rows", "bgmv_expand_rows", True),
+    "segments": ("bgmv_shrink_segments", "bgmv_expand_segments", True),
+    "blocked": ("bgmv_shrink_blocked", "bgmv_expand_blocked", False),
+}
+
+
+def emit_shrink_expand(graph: fx.Graph, x2d, stacked_a, stacked_b, base2d, kernel: str, inputs):
+    """The (shrink, expand) pair of ``kernel`` (a ``KERNEL_OPS`` key) fed its per-step ``inputs``."""
+    shrink, expand = (getattr(torch.ops.xla_lora, name).default for name in KERNEL_OPS[kernel][:2])
+    shrunk = fx_utils.call(graph, "call_function", shrink, x2d, stacked_a, *inputs, 1.0)
+    return shrunk, fx_utils.call(graph, "call_function", expand, shrunk, stacked_b, base2d, *inputs, True)
 
 
 def stacks_and_base(graph: fx.Graph, m: LinearMatch, ref: LoRAWeightRef, device, transposed: bool = False):

@@ -40,11 +40,14 @@ class RewriteContext:
     flat_token_nodes: FrozenSet = frozenset()
     # "auto": the row kernel where the site is on a [B, S] layout (the backend falls back to a "masked"
     # rewrite for mappings that mix adapters within a row); "masked": every slot's columns;
-    # "blocked": tokens sorted by slot into row blocks.
+    # "blocked": tokens sorted by slot into row blocks; "segments": blocks of consecutive tokens, each with
+    # at most segment_slots_per_block slots (packed batches).
     kernel: str = "masked"
     row_kernel_min_tokens: int = 2  # "auto" keeps the masked kernel for a static row length below this
     block_size: int = 32
     num_slots: int = 0  # for the blocked layout's block count
+    segment_block_tokens: int = 32  # the segment kernel's block length and passes per block
+    segment_slots_per_block: int = 2
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from . import fx_utils
 from .annotations import (LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT, ROW_SLOTS,
-                          TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
+                          SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
 from .report import RewriteContext
 
 
@@ -153,6 +153,14 @@ def _row_selection(tokens: fx.Node, layout, n_feature_dims: int):
     return source, token_part
 
 
+def _kernel_on_layout(ctx: RewriteContext, kernel: str, tokens: fx.Node, n_feature_dims: int) -> bool:
+    """Whether ``ctx.kernel`` is ``kernel`` and the site's token dims are the graph's token layout."""
+    shape = _shape(tokens)
+    if ctx.kernel != kernel or shape is None or ctx.token_layout is None:
+        return False
+    return dims_key(shape[: len(shape) - n_feature_dims]) == dims_key(ctx.token_layout)
+
+
 def site_block_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
                       device) -> Optional[Tuple[fx.Node, fx.Node, fx.Node]]:
     """The blocked kernel's (row_token, block_slot, token_row) for a site on the graph's token layout.
@@ -162,10 +170,7 @@ def site_block_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, fla
     inputs are fixed-size buffers; the graph narrows them to this bucket's
     ``ceil(T / BS) + N`` blocks and T tokens.
     """
-    shape = _shape(tokens)
-    if ctx.kernel != "blocked" or shape is None or ctx.token_layout is None:
-        return None
-    if dims_key(shape[: len(shape) - n_feature_dims]) != dims_key(ctx.token_layout):
+    if not _kernel_on_layout(ctx, "blocked", tokens, n_feature_dims):
         return None
     bs, n = ctx.block_size, ctx.num_slots
     max_blocks = -(-ctx.max_num_tokens // bs) + n
@@ -181,6 +186,33 @@ def site_block_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, fla
     return (fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_ROW_TOKEN], 0, 0, rows),
             fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_BLOCK_SLOT], 0, 0, blocks),
             fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_TOKEN_ROW], 0, 0, count))
+
+
+def site_segment_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
+                        device) -> Optional[Tuple[fx.Node, fx.Node]]:
+    """The segment kernel's (block_slots ``[NB, K]``, pick ``[T]``) for a site on the graph's token layout.
+
+    None when the segment kernel is off or the site's tokens are not the
+    layout's (a row selection keeps the token indices).  Any layout, flat
+    ``[T]`` included: blocks run over the flattened tokens.  The inputs are
+    fixed-size buffers the graph narrows to ``ceil(T / block_tokens)`` blocks
+    and T tokens (``ops_segments.segment_blocks``).
+    """
+    if not _kernel_on_layout(ctx, "segments", tokens, n_feature_dims):
+        return None
+    bt, k = ctx.segment_block_tokens, ctx.segment_slots_per_block
+    max_blocks = -(-ctx.max_num_tokens // bt)
+    block_slots = fx_utils.get_or_add_input(
+        graph, f"lora_{SEGMENT_BLOCK_SLOTS}", GraphInputRequest(SEGMENT_BLOCK_SLOTS, None, (max_blocks, k),
+                                                                 blocks=(bt, k)), device)
+    pick = fx_utils.get_or_add_input(
+        graph, f"lora_{SEGMENT_PICK}", GraphInputRequest(SEGMENT_PICK, None, (ctx.max_num_tokens,), blocks=(bt, k)),
+        device)
+    count = fx_utils.call(graph, "call_method", "size", flat, 0)
+    blocks = fx_utils.call(graph, "call_function", operator.floordiv,
+                           fx_utils.call(graph, "call_function", operator.add, count, bt - 1), bt)
+    return (fx_utils.call(graph, "call_method", "narrow", block_slots, 0, 0, blocks),
+            fx_utils.call(graph, "call_method", "narrow", pick, 0, 0, count))
 
 
 def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feature_dims: int,
@@ -238,3 +270,20 @@ def stacked_input(graph: fx.Graph, ref: LoRAWeightRef, kind: str, shape, device)
 def device_of(node: fx.Node):
     value = fx_utils.example_value(node)
     return value.device if isinstance(value, torch.Tensor) else None
+
+
+def site_kernel_inputs(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
+                       device) -> Tuple[str, tuple]:
+    """(kernel, its per-step input nodes) for a site under ``ctx.kernel``: "rows", "segments" or "blocked"
+    for a site on the graph's token layout when that kernel applies, else ("masked", ()): the caller
+    feeds the masked kernel the token indices (``site_indices``)."""
+    row_slots = site_row_slots(graph, ctx, tokens, n_feature_dims, device)
+    if row_slots is not None:
+        return "rows", (row_slots,)
+    segments = site_segment_layout(graph, ctx, tokens, flat, n_feature_dims, device)
+    if segments is not None:
+        return "segments", segments
+    layout = site_block_layout(graph, ctx, tokens, flat, n_feature_dims, device)
+    if layout is not None:
+        return "blocked", layout
+    return "masked", ()

@@ -114,8 +114,10 @@ def backend_kernel(meta: xlp.LoRAMetadata, token_dims) -> str:
     return xlp.config.kernel
 
 
-_SHRINK = {"masked": "bgmv_shrink", "blocked": "bgmv_shrink_blocked", "rows": "bgmv_shrink_rows"}
-_EXPAND = {"masked": "bgmv_expand", "blocked": "bgmv_expand_blocked", "rows": "bgmv_expand_rows"}
+_SHRINK = {"masked": "bgmv_shrink", "blocked": "bgmv_shrink_blocked", "rows": "bgmv_shrink_rows",
+           "segments": "bgmv_shrink_segments"}
+_EXPAND = {"masked": "bgmv_expand", "blocked": "bgmv_expand_blocked", "rows": "bgmv_expand_rows",
+           "segments": "bgmv_expand_segments"}
 
 
 class KernelCounts:
@@ -144,10 +146,8 @@ def shrink_expand_counts(shrink: int, expand: int) -> KernelCounts:
 
 
 def count_shrinks(gm: fx.GraphModule) -> int:
-    """Shrink calls of any kernel (masked, blocked or rows)."""
-    return (count_ops(gm, torch.ops.xla_lora.bgmv_shrink.default)
-            + count_ops(gm, torch.ops.xla_lora.bgmv_shrink_blocked.default)
-            + count_ops(gm, torch.ops.xla_lora.bgmv_shrink_rows.default))
+    """Shrink calls of any kernel (masked, blocked, rows or segments)."""
+    return sum(count_ops(gm, getattr(torch.ops.xla_lora, name).default) for name in _SHRINK.values())
 
 
 def strip_ids(text: str) -> str:

@@ -31,7 +31,8 @@ xr.use_spmd()
 import torch_xla.distributed.spmd as xs  # noqa: E402
 
 import xla_lora_pass as xlp  # noqa: E402
-from xla_lora_pass.demo_models import eager_reference, per_sequence_mapping, tiny_peft_llama  # noqa: E402
+from xla_lora_pass.demo_models import (adapter_table, eager_reference, per_sequence_mapping,  # noqa: E402
+                                        per_token_reference, tiny_peft_llama)
 from xla_lora_pass.sharding import MEGATRON_LLAMA, AdapterSharding, megatron_shard_llama, shard_bytes  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -42,43 +43,6 @@ BATCH, SEQ = 4, 6
 def xla_compiles() -> int:
     data = met.metric_data("CompileTime")
     return 0 if data is None else int(data[0])
-
-
-def adapter_table(model):
-    """{site: {adapter: (A [r, in], B [out, r], scaling)}} read from the PEFT LoRA layers."""
-    from peft.tuners.lora import Linear as LoraLinear
-
-    table = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, LoraLinear):
-            table[name] = {a: (mod.lora_A[a].weight.detach().clone(), mod.lora_B[a].weight.detach().clone(),
-                               float(mod.scaling[a])) for a in mod.lora_A}
-    return table
-
-
-def per_token_reference(model, table, ids, mapping):
-    """Eager, unsharded, on the host: base model + each token's own adapter delta (None = base only)."""
-    from peft.tuners.lora import Linear as LoraLinear
-
-    handles = []
-
-    def hook(site, module, args, out):
-        x = args[0].reshape(-1, args[0].shape[-1])
-        delta = torch.zeros(x.shape[0], out.shape[-1], dtype=out.dtype)
-        for adapter, (a, b, s) in table.get(site, {}).items():
-            rows = torch.tensor([m == adapter for m in mapping])
-            delta[rows] = s * (x[rows] @ a.t() @ b.t())
-        return out + delta.reshape(out.shape)
-
-    for name, mod in model.named_modules():
-        if isinstance(mod, LoraLinear):
-            handles.append(mod.register_forward_hook(lambda m, a, o, site=name: hook(site, m, a, o)))
-    try:
-        with model.disable_adapter(), torch.no_grad():
-            return model(input_ids=ids).logits
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def main():
@@ -92,7 +56,7 @@ def main():
 
     # The hook reference agrees with PEFT's own per-sequence mixing.
     rows = ["sql", "chat", "code", None]
-    out["hook_vs_peft"] = (per_token_reference(host_model, table, ids, per_sequence_mapping(rows, SEQ))
+    out["hook_vs_peft"] = (per_token_reference(host_model, ids, per_sequence_mapping(rows, SEQ), table)
                            - eager_reference(host_model, ids, rows)).abs().max().item()
 
     model, _ = tiny_peft_llama(targets=TARGETS)  # same seed: the same weights
@@ -120,7 +84,7 @@ def main():
         meta.set_token_adapters(mapping)
         with torch.no_grad():
             got = compiled(input_ids=input_ids.to(device)).logits.cpu()
-        want = per_token_reference(host_model, table, input_ids, mapping)
+        want = per_token_reference(host_model, input_ids, mapping, table)
         return (got - want).abs().max().item()
 
     rng = np.random.default_rng(0)

@@ -92,7 +92,7 @@ def test_per_row_mapping_runs_the_row_kernel_and_matches_eager(served):
         want = eager_reference(s["cpu"], s["ids"][:, :n], ROWS)
         assert (got - want).abs().max().item() < 1e-4
     assert all(g.uses_rows for g in s["backend"].graphs)
-    assert all(g._masked is None for g in s["backend"].graphs)  # no masked rewrite was needed
+    assert all(not g.variants for g in s["backend"].graphs)  # no other rewrite was needed
     # A new per-row mapping compiles nothing.
     before = xla_compiles()
     rotated = ROWS[1:] + ROWS[:1]
@@ -119,18 +119,19 @@ def test_mapping_mixed_within_rows_switches_to_the_masked_kernel_once(served):
     s = served
     n = 16
     # Row 0 switches adapter at position 8: causal attention means positions < 8 see only "sql"
-    # tokens, so they equal the all-"sql" row; positions >= 8 use "chat" with an "sql" prefix.
+    # tokens, so they equal the all-"sql" row; positions >= 8 alternate "chat" and "code" with an "sql"
+    # prefix (three adapters in one block of 32 tokens: not a segment layout either).
     # Check the exact parts against eager PEFT, and the whole against the masked kernel run alone.
     mixed = per_sequence_mapping(ROWS, n)
-    mixed[8:16] = ["chat"] * 8
+    mixed[8:16] = ["chat", "code"] * 4
     s["meta"].set_token_adapters(mixed)
     got = _logits(s, n)
     per_row = eager_reference(s["cpu"], s["ids"][:, :n], ROWS)
     assert (got[1:] - per_row[1:]).abs().max().item() < 1e-4  # rows 1-3 are per-row
     assert (got[0, :8] - per_row[0, :8]).abs().max().item() < 1e-4  # the "sql" prefix of row 0
     assert (got[0, 8:] - per_row[0, 8:]).abs().max().item() > 1e-3  # ...and its "chat" tail differs
-    graph = next(g for g in s["backend"].graphs if g._masked is not None)
-    masked = graph._masked
+    graph = next(g for g in s["backend"].graphs if "masked" in g.variants)
+    masked = graph.variants["masked"]
     assert not masked.uses_rows and masked.report.counts() == graph.report.counts()
     # The masked rewrite of the same graph, run on its own through a fresh masked-kernel backend.
     saved = xlp.config.kernel

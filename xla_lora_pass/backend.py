@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport,
                             unrewritten_lora_weights)
-from graph_rewrites.annotations import LAYOUT_KINDS, ROW_SLOTS, STACKED_A_T, STACKED_B_T
+from graph_rewrites.annotations import (LAYOUT_KINDS, ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_KINDS, STACKED_A_T,
+                                        STACKED_B_T)
 from graph_rewrites.site_inputs import find_token_layout
 
 from . import config, symbolic_layer_norm
@@ -54,10 +55,10 @@ class LoRABackend:
         self.batch_buckets = batch_buckets if batch_buckets is not None else Buckets.pow2(min=1, max=self.buckets.max)
         self.inner = inner
         self.graphs: List["CompiledLoRAGraph"] = []
-        self._warm_masked = False  # precompile: send calls to the masked rewrite of row-kernel graphs
+        self.warming_kernel: Optional[str] = None  # precompile: the kernel every call runs while set
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
-        compiled = self._rewrite_and_wrap(gm, example_inputs, config.kernel)
+        compiled = self.rewrite_and_wrap(gm, example_inputs, config.kernel)
         for pattern, n in compiled.report.counts().items():
             self.meta._count("rewrites", pattern, n)
         if compiled.report.error:
@@ -65,44 +66,50 @@ class LoRABackend:
         self.graphs.append(compiled)
         return compiled
 
-    def _rewrite_and_wrap(self, gm: fx.GraphModule, example_inputs: Sequence, kernel: str) -> "CompiledLoRAGraph":
+    def rewrite_and_wrap(self, gm: fx.GraphModule, example_inputs: Sequence, kernel: str) -> "CompiledLoRAGraph":
+        """Rewrite Dynamo's graph with ``kernel`` and wrap it (its programs compile on first call)."""
         new_gm, report = rewrite(gm, example_inputs, self.meta, kernel=kernel)
         log.info("graph %d (%s kernel): %s", len(self.graphs), kernel, report.format())
         # Every compile: TORCH_TRACE artifacts always, files only when dump_dir is set.
         dump_graphs(config.dump_dir, gm, new_gm, report)
         compiled = CompiledLoRAGraph(self, new_gm, report, len(example_inputs),
                                      _inner_compiler(self.inner, example_inputs))
-        if compiled.uses_rows:
-            # For mappings the row kernel cannot run: the same Dynamo graph rewritten with the masked
+        if kernel == "auto" and report.sites:
+            # For mappings "auto"'s first choice cannot run: the same Dynamo graph rewritten with another
             # kernel, made the first time one comes (Dynamo's graph is never edited, so it can be reread).
-            compiled.masked_source = (gm, list(example_inputs))
+            compiled.source = (gm, list(example_inputs))
         return compiled
 
     def precompile(self, run: Callable[[int], Any], sizes: Optional[Iterable[int]] = None,
-                   progress: bool = True, mixed_rows: bool = True) -> int:
+                   progress: bool = True, mixed_rows: bool = True, kernels: Optional[Sequence[str]] = None) -> int:
         """Warm every bucket before serving; returns the number of programs compiled.
 
         ``run(n)`` must call the compiled model once with ``n`` tokens in the
         bucketed dim (e.g. ``lambda n: model(input_ids=ids[:, :n])``).  It is
         called for 2 and 1 first (Dynamo's first static trace and its size-1
         specialization), then for every bucket size, with every token on the
-        base model.  With ``mixed_rows`` (default) the masked kernel's
-        programs are warmed too, for mappings that mix adapters within a row;
-        ``mixed_rows=False`` when every request has one adapter halves the work.
+        base model, once per kernel serving will use: ``kernels`` names them
+        ("auto": the row kernel, one adapter per request; "segments": packed
+        requests; "masked": adapters mixed within a request).  The default is
+        ("auto", "masked"), or ("auto",) with ``mixed_rows=False`` when every
+        request has one adapter, which halves the work.
         """
         sizes = list(sizes) if sizes is not None else [2, 1] + list(self.buckets)
+        kernels = list(kernels) if kernels is not None else ["auto"] + (["masked"] if mixed_rows else [])
         before = self.meta.stats["compiles"]
         with self.meta.warming_up(), progress_bar(sizes, "precompile", progress) as bar:
             for n in bar:
                 bar.set_postfix_str(f"{n} tokens")
                 with torch.no_grad():
-                    run(n)
-                    if mixed_rows and any(g.uses_rows for g in self.graphs):
-                        self._warm_masked = True
+                    for kernel in kernels:
+                        # A kernel no graph has a rewrite for would only run the same programs again.
+                        if kernel != "auto" and not any(g.variant(kernel) is not g for g in self.graphs):
+                            continue
+                        self.warming_kernel = kernel
                         try:
                             run(n)
                         finally:
-                            self._warm_masked = False
+                            self.warming_kernel = None
         return self.meta.stats["compiles"] - before
 
     def precompile_generate(self, model, batch_sizes: Iterable[int], prompt_lengths: Iterable[int],
@@ -155,8 +162,10 @@ class CompiledLoRAGraph:
         self.leftover_layout = _leftover_token_layout(gm) if self.leftovers and not report.sites else None
         self.programs: Dict[tuple, Callable] = {}
         self.uses_rows = any(r.kind == ROW_SLOTS for r in self.extra_requests)
-        self.masked_source = None  # (Dynamo's graph, example inputs) to rewrite with the masked kernel
-        self._masked: Optional["CompiledLoRAGraph"] = None
+        # (tokens, slots) per block of the segment kernel's layout, when this graph runs it.
+        self.segment_blocks = next((r.blocks for r in self.extra_requests if r.kind == SEGMENT_BLOCK_SLOTS), None)
+        self.source = None  # (Dynamo's graph, example inputs) to rewrite with another kernel ("auto" graphs)
+        self._variants: Dict[str, "CompiledLoRAGraph"] = {}
 
     # ---------------------------------------------------------------- checks
     def _check_mapping(self, token_dims) -> None:
@@ -203,8 +212,9 @@ class CompiledLoRAGraph:
         self._check_mapping(token_dims if token_dims is not None else self._leftover_token_dims(bindings))
         padded = self._padded_bindings(bindings)
         padded_dims = self.shapes.token_dims(padded)
-        if self.uses_rows and (self.backend._warm_masked or not self._rows_apply(token_dims, padded_dims)):
-            return self.masked_variant()(*args)
+        chosen = self.graph_for_call(token_dims, padded_dims)
+        if chosen is not self:
+            return chosen(*args)
         key = self._program_key(padded)
         call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
         device = _first_device(args)
@@ -221,19 +231,56 @@ class CompiledLoRAGraph:
         outs = program(*call_args, *extras)
         return self.shapes.slice_outputs(outs, bindings) if padded != bindings else outs
 
-    def _rows_apply(self, token_dims, padded_dims) -> bool:
-        """Whether this call may run the row kernel: one adapter per row, rows long enough."""
-        if padded_dims is None or padded_dims[-1] < config.row_kernel_min_tokens:
-            return False
-        return self.meta.is_warming_up or self.meta.rows_uniform(token_dims)
+    def graph_for_call(self, token_dims, padded_dims) -> "CompiledLoRAGraph":
+        """The per-call kernel choice: the cheapest rewrite of this graph that is exact for the mapping.
+
+        Rows of one token (Dynamo's size-1 graph, decoding): the masked
+        kernel.  One adapter per row of the token grid: the row kernel (this
+        graph, as "auto" rewrote it); else every block of consecutive tokens on at most
+        ``config.segment_slots_per_block`` slots (requests packed as segments):
+        the segment kernel; anything else: the masked kernel.  Results never
+        depend on the choice, only cost does.  A graph rewritten with a fixed
+        kernel, or with no site, always runs itself.
+        """
+        if self.source is None or padded_dims is None:
+            return self
+        if padded_dims[-1] < config.row_kernel_min_tokens:
+            return self.variant("masked")  # rows of one token (decoding): neither rows nor segments pay
+        if self.backend.warming_kernel is not None:
+            return self.variant(self.backend.warming_kernel)
+        if self.meta.is_warming_up or (self.uses_rows and self.meta.rows_uniform(token_dims)):
+            return self  # warming without a named kernel (precompile_generate) warms "auto"'s own programs
+        segments = self.variant("segments")
+        if segments.segment_blocks is not None and self.meta.segments_fit(token_dims, padded_dims,
+                                                                           *segments.segment_blocks):
+            return segments
+        return self.variant("masked")
+
+    def variant(self, kernel: str) -> "CompiledLoRAGraph":
+        """This graph rewritten with ``kernel`` ("auto": itself), built once, on first need.
+
+        An "auto" graph without the row kernel already runs the masked kernel;
+        a segment rewrite with no site on the token layout is the masked one.
+        """
+        if kernel == "auto" or self.source is None or (kernel == "masked" and not self.uses_rows):
+            return self
+        if kernel not in self._variants:
+            gm, example_inputs = self.source
+            log.info("rewriting the graph with the %s kernel too, for this call's mapping", kernel)
+            built = self.backend.rewrite_and_wrap(gm, example_inputs, kernel)
+            if kernel == "segments" and built.segment_blocks is None:
+                built = self.variant("masked")
+            self._variants[kernel] = built
+        return self._variants[kernel]
+
+    @property
+    def variants(self) -> Dict[str, "CompiledLoRAGraph"]:
+        """The rewrites of this graph with other kernels made so far, by kernel name."""
+        return dict(self._variants)
 
     def masked_variant(self) -> "CompiledLoRAGraph":
         """This graph rewritten with the masked kernel (built once, on first need)."""
-        if self._masked is None:
-            gm, example_inputs = self.masked_source
-            log.info("mapping not one adapter per row: rewriting the graph with the masked kernel too")
-            self._masked = self.backend._rewrite_and_wrap(gm, example_inputs, "masked")
-        return self._masked
+        return self.variant("masked")
 
     def _leftover_token_dims(self, bindings) -> Optional[tuple]:
         """This call's token dims read off a LoRA layer left alone (None if unknown); for the checks only."""
@@ -314,6 +361,8 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
             extras.append(meta.stacked_bias(req.site, device))
         elif req.kind in LAYOUT_KINDS:
             extras.append(meta.block_layout(device, token_dims, padded_dims)[LAYOUT_KINDS.index(req.kind)])
+        elif req.kind in SEGMENT_KINDS:
+            extras.append(meta.segment_layout(device, token_dims, padded_dims, *req.blocks)[SEGMENT_KINDS.index(req.kind)])
         else:
             raise AssertionError(f"unknown graph input request {req}")
     return extras

@@ -34,6 +34,9 @@ dump_dir = os.environ.get("XLA_LORA_DUMP_DIR") or None
 # row's weights once and does only the LoRA's own FLOPs.
 # "masked" multiplies every token by every slot's weights and selects: one
 # program for any mapping, N times the LoRA FLOPs.
+# "segments" cuts the tokens into blocks of segment_block_tokens consecutive tokens, each multiplied by at
+# most segment_slots_per_block slots' weights: packed batches (requests as contiguous segments of one token
+# row); "auto" switches to it per call, like to the masked kernel (docs/kernels.md).
 # "blocked" sorts tokens by slot into 32-row blocks, with the layout built once
 # per step on the host: 1/N of the LoRA FLOPs, but per-block weight gathers
 # and token reordering.
@@ -46,3 +49,10 @@ kernel = "auto"
 # weight gather, where the masked kernel's extra FLOPs are cheaper.  Rows of 4
 # already pay (16 adapters, 16 sequences of 4 tokens: docs/benchmarks.md).
 row_kernel_min_tokens = 2
+
+# The segment kernel (ops_segments.py): tokens per block, and slots (passes) per block.  With 2 passes every
+# segment of at least segment_block_tokens tokens fits at any offset; a mapping with more slots in some block
+# runs the masked kernel.  Blocks of 32 with 2 passes measured the row kernel's cost on one linear (16
+# segments of 32 tokens; docs/benchmarks.md).
+segment_block_tokens = 32
+segment_slots_per_block = 2

@@ -69,6 +69,51 @@ def eager_reference(peft_model, input_ids: torch.Tensor, adapter_per_row: Sequen
         return peft_model(input_ids=input_ids, adapter_names=names).logits
 
 
+def adapter_table(peft_model) -> dict:
+    """``{site: {adapter: (A [r, in], B [out, r], scaling)}}`` copied from the PEFT LoRA linear layers."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    table = {}
+    for name, mod in peft_model.named_modules():
+        if isinstance(mod, LoraLinear):
+            table[name] = {a: (mod.lora_A[a].weight.detach().clone(), mod.lora_B[a].weight.detach().clone(),
+                               float(mod.scaling[a])) for a in mod.lora_A}
+    return table
+
+
+def per_token_reference(peft_model, input_ids: torch.Tensor, mapping: Sequence, table=None) -> torch.Tensor:
+    """Logits of the eager base model plus each token's own adapter delta at every LoRA linear layer.
+
+    ``mapping`` has one adapter name (or None: base only) per flattened
+    token.  The ground truth for mappings PEFT's ``adapter_names=`` (one
+    adapter per sequence) cannot express, such as requests packed into one
+    row; computed with plain matmuls, nothing of this package.  ``table``
+    (``adapter_table``) when the model's own weights are not the ones to use.
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+
+    table = adapter_table(peft_model) if table is None else table
+    handles = []
+
+    def hook(site, module, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        delta = torch.zeros(x.shape[0], out.shape[-1], dtype=out.dtype, device=out.device)
+        for adapter, (a, b, s) in table.get(site, {}).items():
+            rows = torch.tensor([m == adapter for m in mapping], device=x.device)
+            delta[rows] = (s * (x[rows] @ a.t().to(x) @ b.t().to(x))).to(out.dtype)
+        return out + delta.reshape(out.shape)
+
+    for name, mod in peft_model.named_modules():
+        if isinstance(mod, LoraLinear):
+            handles.append(mod.register_forward_hook(lambda m, a, o, site=name: hook(site, m, a, o)))
+    try:
+        with peft_model.disable_adapter(), torch.no_grad():
+            return peft_model(input_ids=input_ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
 # ---------------------------------------------------------------------------
 # Factories for ``xla-lora-dump MODULE:FACTORY``: each returns (model, example
 # inputs), the inputs a dict of keyword arguments or a tuple of positional ones.

@@ -48,6 +48,7 @@ from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
 from .errors import UnsupportedMappingError
 from .generation import route_generate
 from .ops_blocked import padded_layout
+from .ops_segments import SegmentLayout, build_segment_layout
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class LoRAMetadata:
         self._request_rows: Optional[torch.Tensor] = None  # per batch row (set_request_adapters)
         self._index_cache: Dict[tuple, torch.Tensor] = {}  # device index tensors per mapping and bucket
         self._uniform_cache: Dict[tuple, bool] = {}  # rows_uniform per mapping and token dims
+        self._segment_cache: Dict[tuple, Optional[SegmentLayout]] = {}  # host segment layouts per mapping and bucket
         self._lock = threading.Lock()
         self._hook_handles: list = []
         self._warming = False
@@ -549,6 +551,7 @@ class LoRAMetadata:
         """Everything derived from the mapping (or the slots) goes when it changes."""
         self._index_cache.clear()
         self._uniform_cache.clear()
+        self._segment_cache.clear()
 
     def rows_uniform(self, real_dims: Tuple[int, ...]) -> bool:
         """Whether the mapping is constant along each row (the innermost dim) of ``real_dims``.
@@ -609,6 +612,55 @@ class LoRAMetadata:
                 layout = padded_layout(self._padded_grid(real_dims, padded_dims), self.num_slots,
                                        self.max_num_tokens)
                 cached = self._index_cache[key] = tuple(t.to(device) for t in layout)
+            return cached
+
+    def _host_segment_layout(self, real_dims, padded_dims, block_tokens: int,
+                             slots_per_block: int) -> Optional[SegmentLayout]:
+        """The segment layout of the padded bucket on the host, or None when a block needs more passes.
+
+        Called with the lock held; built once per mapping, bucket and block shape.
+        """
+        key = (tuple(real_dims), tuple(padded_dims), block_tokens, slots_per_block)
+        if key not in self._segment_cache:
+            self._segment_cache[key] = build_segment_layout(self._padded_grid(real_dims, padded_dims),
+                                                            block_tokens, slots_per_block)
+        return self._segment_cache[key]
+
+    def segments_fit(self, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...], block_tokens: int,
+                     slots_per_block: int) -> bool:
+        """Whether the segment kernel can run this mapping: no block of ``block_tokens`` consecutive
+        (padded) tokens uses more than ``slots_per_block`` slots.  True for requests packed as
+        contiguous segments of at least ``block_tokens`` tokens each (with 2 passes per block)."""
+        with self._lock:
+            return self._host_segment_layout(real_dims, padded_dims, block_tokens, slots_per_block) is not None
+
+    def segment_layout(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...], block_tokens: int,
+                       slots_per_block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The segment kernel's (block_slots, pick) for this step on ``device`` (ops_segments.py).
+
+        Built once per mapping and bucket on the host and shared by every LoRA
+        layer; buffers sized for ``max_num_tokens`` (``[ceil(max_num_tokens /
+        block_tokens), slots_per_block]`` and ``[max_num_tokens]``), so their
+        shapes never change (the graph narrows them).  Refused when the mapping
+        does not fit (:meth:`segments_fit`): the kernel would give a token
+        another token's adapter.
+        """
+        key = ("segments", str(device), tuple(real_dims), tuple(padded_dims), block_tokens, slots_per_block)
+        with self._lock:
+            cached = self._index_cache.get(key)
+            if cached is None:
+                layout = self._host_segment_layout(real_dims, padded_dims, block_tokens, slots_per_block)
+                if layout is None:
+                    raise UnsupportedMappingError(
+                        f"the mapping uses more than {slots_per_block} adapters in some block of {block_tokens} "
+                        f"consecutive tokens (token dims {list(real_dims)}): a graph rewritten with the segment "
+                        "kernel cannot run it (the backend switches to the masked kernel; rewrite(..., "
+                        "kernel='masked') does the same for a graph rewritten by hand)")
+                block_slots = torch.zeros(-(-self.max_num_tokens // block_tokens), slots_per_block, dtype=torch.int32)
+                block_slots[: layout.block_slots.shape[0]] = layout.block_slots
+                pick = torch.full((self.max_num_tokens,), NO_LORA, dtype=torch.int32)
+                pick[: layout.pick.numel()] = layout.pick
+                cached = self._index_cache[key] = (block_slots.to(device), pick.to(device))
             return cached
 
     # ------------------------------------------------------------------ stats

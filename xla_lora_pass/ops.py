@@ -227,5 +227,5 @@ def _bgmv_bias_fake(y, bias, idx):
     return torch.empty_like(y)
 
 
-# The blocked and row kernels register torch.ops.xla_lora.bgmv_*_blocked / _rows alongside these.
-from . import ops_blocked, ops_rows  # noqa: E402,F401
+# The blocked, row and segment kernels register torch.ops.xla_lora.bgmv_*_blocked / _rows / _segments alongside these.
+from . import ops_blocked, ops_rows, ops_segments  # noqa: E402,F401

@@ -23,7 +23,7 @@ from .metadata import LoRAMetadata
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("auto", "masked", "blocked")
+KERNELS = ("auto", "masked", "segments", "blocked")
 
 
 def capture_graphs(fn, *args, **kwargs) -> List[Tuple[fx.GraphModule, list]]:
@@ -127,7 +127,7 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata,
             kernel: Optional[str] = None) -> Tuple[fx.GraphModule, RewriteReport]:
     """Rewrite every LoRA site of a copy of ``gm``; return the copy and the report.
 
-    ``kernel``: "auto", "masked" or "blocked" (default ``config.kernel``).
+    ``kernel``: "auto", "masked", "segments" or "blocked" (default ``config.kernel``).
     """
     kernel = config.kernel if kernel is None else kernel
     if kernel not in KERNELS:
@@ -135,7 +135,9 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata,
     new_gm = copy_graph_module(gm)
     annotate_lora_weights(new_gm, example_inputs, meta)
     ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=kernel,
-                         num_slots=meta.num_slots, row_kernel_min_tokens=config.row_kernel_min_tokens)
+                         num_slots=meta.num_slots, row_kernel_min_tokens=config.row_kernel_min_tokens,
+                         segment_block_tokens=config.segment_block_tokens,
+                         segment_slots_per_block=config.segment_slots_per_block)
     try:
         graph_rewrites.run_passes(new_gm, ctx, config.passes)
         if not ctx.report.sites:
