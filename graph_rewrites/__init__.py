@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Dict, List, Mapping, Tuple
+from typing import Callable, Dict, List, Mapping, Tuple, Union
 
 import torch.fx as fx
 
-from .annotations import (LORA_INPUT, LORA_WEIGHT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES,
-                          GraphInputRequest, LoRAWeightRef)
+from .annotations import (BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, SAVED_PARAM, STACKED_A, STACKED_B, STACKED_BIAS,
+                          TOKEN_INDICES, GraphInputRequest, LoRAWeightRef, SavedParamRef)
 from .flat_tokens import flat_token_nodes
 from .fuse_shared_shrink import GROUP_SEPARATOR, fuse_shared_shrinks
 from .fx_utils import drop_none_bias, remove_eval_dropout
+from .lora_attach import attach_lora_sites, unserved_base_sites
 from .lora_bias import rewrite_lora_bias
 from .lora_embedding import rewrite_lora_embedding
 from .lora_linear import rewrite_lora_linear
 from .report import NearMiss, RewriteContext, RewriteReport, SiteRewrite
+from .saved_modules import serve_saved_modules, unserved_saved_modules
 from .site_inputs import find_token_layout
 
 log = logging.getLogger(__name__)
@@ -45,12 +47,17 @@ def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
 
 # name -> pass, in the order they run.  ``normalize`` strips identities the
 # patterns would otherwise need variants for (eval dropout, a None bias) and
-# finds the token layout; the fusion runs after every site is rewritten.
+# finds the token layout; ``lora_attach`` serves the registered sites whose
+# LoRA branch is not in the graph, after the patterns replaced the branches
+# that are; ``saved_modules`` serves PEFT's modules_to_save; the fusion runs
+# after every site is rewritten.
 PASSES: List[Tuple[str, Callable[[fx.GraphModule, RewriteContext], bool]]] = [
     ("normalize", _normalize),
     ("lora_embedding", rewrite_lora_embedding),
     ("lora_bias", rewrite_lora_bias),
     ("lora_linear", rewrite_lora_linear),
+    ("lora_attach", attach_lora_sites),
+    ("saved_modules", serve_saved_modules),
     ("fuse_shared_shrink", fuse_shared_shrinks),
 ]
 
@@ -70,18 +77,27 @@ def run_passes(gm: fx.GraphModule, ctx: RewriteContext, enabled: Mapping[str, bo
     return PassResult(gm, modified)
 
 
-def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, LoRAWeightRef]:
-    """LoRA weight placeholders still used by the graph: the layers left computing eagerly."""
-    left: Dict[str, LoRAWeightRef] = {}
+def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, Union[LoRAWeightRef, SavedParamRef]]:
+    """Every registered site the graph computes for one adapter only, whatever the mapping, by site.
+
+    A LoRA branch left alone (its adapter in ``.adapter``), a site whose base
+    op is in the graph with no LoRA computation (``.adapter`` None: the base
+    model for every token), a saved module running one variant (``.adapter``
+    the copy's adapter, None for the original).  The uniform-mapping guard
+    accepts only a mapping with every token on what these compute.
+    """
+    left: Dict[str, Union[LoRAWeightRef, SavedParamRef]] = {}
     for node in gm.graph.find_nodes(op="placeholder"):
         ref = node.meta.get(LORA_WEIGHT)
         if ref is not None and node.users:
             left[ref.site] = ref
+    for site, ref in {**unserved_base_sites(gm), **unserved_saved_modules(gm)}.items():
+        left.setdefault(site, ref)
     return left
 
 
 __all__ = [
-    "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A", "STACKED_B", "STACKED_BIAS", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
+    "BASE_WEIGHT", "SAVED_PARAM", "SavedParamRef", "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A", "STACKED_B", "STACKED_BIAS", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
     "NearMiss", "PASSES", "PassResult", "RewriteContext", "RewriteReport", "SiteRewrite", "run_passes",
     "unrewritten_lora_weights",
 ]

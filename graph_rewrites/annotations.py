@@ -16,6 +16,11 @@ import torch
 
 LORA_WEIGHT = "xla_lora_weight"
 LORA_INPUT = "xla_lora_input"
+# A registered site's base-layer weight (a LoRAWeightRef with role "base"): how a site is found in a
+# graph that holds no LoRA branch for it (its adapters are all inactive).
+BASE_WEIGHT = "xla_lora_base_weight"
+# A parameter or buffer of a PEFT modules_to_save module (the original or one adapter's copy).
+SAVED_PARAM = "xla_lora_saved_param"
 
 TOKEN_INDICES = "token_indices"
 STACKED_A = "stacked_a"
@@ -32,6 +37,11 @@ LAYOUT_TOKEN_ROW = "layout_token_row"
 LAYOUT_KINDS = (LAYOUT_ROW_TOKEN, LAYOUT_BLOCK_SLOT, LAYOUT_TOKEN_ROW)
 # The row kernel's per-step input: the slot of each row of the token grid (xla_lora_pass/ops_rows.py).
 ROW_SLOTS = "row_slots"
+# The same slot per row, for a saved module that pools each row to one output (a classification head);
+# apart from ROW_SLOTS because it does not select the row kernel.
+POOLED_ROW_SLOTS = "pooled_row_slots"
+# One tensor of a saved module's variant: GraphInputRequest.param = (adapter or None for the original, name).
+SAVED_MODULE_PARAM = "saved_module_param"
 # The segment kernel's per-step layout (xla_lora_pass/ops_segments.py), shared by every site: each block's
 # slots [max_blocks, K] and each token's pass [max_num_tokens].
 SEGMENT_BLOCK_SLOTS = "segment_block_slots"
@@ -44,8 +54,8 @@ class LoRAWeightRef:
     """A placeholder that is one adapter's LoRA weight at one site."""
 
     site: str
-    adapter: str
-    role: str  # "A", "B" or "bias"
+    adapter: Optional[str]  # None for the base weight (role "base")
+    role: str  # "A", "B", "bias" or "base"
     kind: str  # "linear" or "embedding"
     in_features: int
     out_features: int
@@ -54,15 +64,30 @@ class LoRAWeightRef:
     stacked_rank: int  # the site's max rank over all slots
     dtype: torch.dtype
     unsupported: Optional[str] = None  # why the site can never be rewritten
+    lora_bias: bool = False  # some adapter at the site has a LoRA bias (stacked_bias is fed)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedParamRef:
+    """A placeholder that is a tensor of a saved module (PEFT ``modules_to_save``): which variant, which tensor."""
+
+    site: str  # the saved module's path
+    adapter: Optional[str]  # whose copy; None for the original module (rows on the base model)
+    param: str  # the tensor's name inside the module, e.g. "dense.weight"
+    module_key: str  # the wrapper's key in the nodes' meta["nn_module_stack"] (str(id(wrapper)))
+    adapters: Tuple[str, ...] = ()  # every adapter with its own copy
+    slots: Tuple[Optional[str], ...] = ()  # adapter name per slot (None: free slot)
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
-    kind: str  # TOKEN_INDICES, ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS, LAYOUT_KINDS, SEGMENT_KINDS
+    kind: str  # TOKEN_INDICES, (POOLED_)ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS,
+    # SAVED_MODULE_PARAM, LAYOUT_KINDS or SEGMENT_KINDS
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32
+    param: Optional[Tuple[Optional[str], str]] = None  # SAVED_MODULE_PARAM: (adapter or None, tensor name)
     # SEGMENT_KINDS: (tokens per block, slots per block) the graph was rewritten for; the layout is built with them.
     blocks: Tuple[int, ...] = ()

@@ -163,7 +163,7 @@ def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext
         x2d = fx_utils.call(graph, "call_method", "reshape", m.x, -1, ref.in_features)
         kernel, inputs = site_kernel_inputs(graph, ctx, m.x, x2d, 1, device)
         idx = None
-        if kernel == "masked" or m.lora_bias is not None:
+        if kernel == "masked" or _has_bias(m, ref):
             idx, reason = site_indices(graph, ctx, m.x, x2d, 1, device)
             if idx is None:
                 graph.erase_node(x2d)
@@ -214,9 +214,18 @@ def stacks_and_base(graph: fx.Graph, m: LinearMatch, ref: LoRAWeightRef, device,
     return stacked_a, stacked_b, base2d
 
 
+def _has_bias(m: LinearMatch, ref: LoRAWeightRef) -> bool:
+    """The traced branch has a LoRA bias, or another adapter at the site has one (its slot needs it too)."""
+    return m.lora_bias is not None or ref.lora_bias
+
+
 def add_site_bias(graph, m: LinearMatch, ref: LoRAWeightRef, y2d, idx, device):
-    """LoRA bias (pattern 5): per-slot bias rows, scaled, gathered per token; none for -1."""
-    if m.lora_bias is None:
+    """LoRA bias (pattern 5): per-slot bias rows, scaled, gathered per token; none for -1.
+
+    Added whenever any adapter at the site has a bias, not only when the
+    active one's branch shows it: the other slots' biases are in the stack.
+    """
+    if not _has_bias(m, ref):
         return y2d
     stacked = stacked_input(graph, ref, STACKED_BIAS, (ref.num_slots, ref.out_features), device)
     return fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_bias.default, y2d, stacked, idx)

@@ -17,8 +17,9 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .annotations import (LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT, ROW_SLOTS,
-                          SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
+from .annotations import (BASE_WEIGHT, LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT,
+                          ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES, GraphInputRequest,
+                          LoRAWeightRef)
 from .report import RewriteContext
 
 
@@ -66,13 +67,14 @@ def _depends_on_inputs(node: fx.Node, memo: dict) -> bool:
 
 
 def find_token_layout(gm: fx.GraphModule) -> Optional[Tuple]:
-    """The leading dims most LoRA sites apply to, or None when the graph has no LoRA weight."""
+    """The leading dims most LoRA sites apply to, or None when the graph has no registered site."""
     seen = collections.Counter()
     first = {}
     memo: dict = {}
     for node in gm.graph.find_nodes(op="placeholder"):
-        ref = node.meta.get(LORA_WEIGHT)
-        if ref is None or ref.role != "A":
+        # A registered site's A weight, or its base weight (the site may have no LoRA branch in the graph).
+        ref = node.meta.get(LORA_WEIGHT) or node.meta.get(BASE_WEIGHT)
+        if ref is None or ref.role not in ("A", "base"):
             continue
         for user in node.users:
             activation = next((a for a in user.all_input_nodes if a is not node), None)

@@ -129,23 +129,3 @@ def test_report_format_names_sites():
     assert "1 LoRA sites rewritten, 0 near misses" in text
     assert "base_model.model.proj  [lora_linear]  x[2, 16] -> [2, 8]  rank 4  slots 2" in text
     assert isinstance(report, RewriteReport)
-
-
-def test_eager_run_under_a_mapping_it_cannot_follow_raises():
-    """Outside a compiled graph (graph break, recompile limit) a LoRA layer computes its active adapter."""
-    model = peft_two_layer()
-    meta = _meta(model)
-    x = torch.randn(2, 16)
-    meta.set_token_adapters(["sql", "chat"])
-    with pytest.raises(xlp.UnsupportedMappingError, match=r"base_model.model.proj is running eagerly"):
-        with torch.no_grad():
-            model(x)
-    meta.set_token_adapters(["sql", "sql"])  # what the eager layer computes: allowed
-    with torch.no_grad():
-        model(x)
-        with model.disable_adapter():
-            with pytest.raises(xlp.UnsupportedMappingError):
-                model(x)
-            meta.set_token_adapters([None, None])
-            model(x)
-        model(x, adapter_names=["sql", "chat"])  # PEFT's own mixed path is exact

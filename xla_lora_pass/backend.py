@@ -17,8 +17,8 @@ import torch.fx as fx
 
 from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, TOKEN_INDICES, RewriteReport,
                             unrewritten_lora_weights)
-from graph_rewrites.annotations import (LAYOUT_KINDS, ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_KINDS, STACKED_A_T,
-                                        STACKED_B_T)
+from graph_rewrites.annotations import (LAYOUT_KINDS, POOLED_ROW_SLOTS, ROW_SLOTS, SAVED_MODULE_PARAM,
+                                       SEGMENT_BLOCK_SLOTS, SEGMENT_KINDS, STACKED_A_T, STACKED_B_T)
 from graph_rewrites.site_inputs import find_token_layout
 
 from . import config, symbolic_layer_norm
@@ -26,7 +26,7 @@ from .bucketing import Buckets, GraphShapes, evaluate
 from .dump import dump_graphs
 from .errors import UnsupportedMappingError
 from .generation import attach_backend
-from .metadata import LoRAMetadata
+from .metadata import NO_LORA, LoRAMetadata
 from .rewrite import copy_graph_module, rewrite
 
 log = logging.getLogger(__name__)
@@ -188,21 +188,24 @@ class CompiledLoRAGraph:
             self._check_uniform(self.meta.mapped_slots())
 
     def _check_uniform(self, values: set) -> None:
-        """Layers left alone compute their active adapter for every token: accept only ``values`` == that."""
+        """Layers left alone compute one adapter (None: the base model) for every token: accept only
+        ``values`` == that."""
         active = {ref.adapter for ref in self.leftovers.values()}
-        slots = {self.meta.slots.index(a) if a in self.meta.slots else None for a in active}
+        slots = {NO_LORA if a is None else self.meta.slots.index(a) if a in self.meta.slots else None
+                 for a in active}
         if len(slots) == 1 and None not in slots and values == slots:
             return
         reasons = {n.site: n.reason for n in self.report.near_misses}
         if self.report.error:  # no pattern ran at all: the failure is the reason
             reasons = dict.fromkeys(self.leftovers, f"the rewrite failed and the graph was compiled unrewritten "
                                                     f"({self.report.error})")
-        layers = "; ".join(f"{site} (adapter {ref.adapter!r}): {reasons.get(site, 'not rewritten')}"
+        layers = "; ".join(f"{site} ({_computes(ref.adapter)}): {reasons.get(site, 'not rewritten')}"
                            for site, ref in sorted(self.leftovers.items()))
         raise UnsupportedMappingError(
             f"this compiled graph holds LoRA layers that were not rewritten, which compute the active "
-            f"adapter {sorted(active)} for every token, so it only accepts a mapping with every token on "
-            f"that adapter; got slots {sorted(values)}. Layers: {layers}")
+            f"adapter {sorted(a if a is not None else '(base model)' for a in active)} for every token, so it "
+            f"only accepts a mapping with every token on that adapter; got slots {sorted(values)}. "
+            f"Layers: {layers}")
 
     # ------------------------------------------------------------------- call
     def __call__(self, *args):
@@ -329,6 +332,10 @@ class CompiledLoRAGraph:
 
 
 
+def _computes(adapter: Optional[str]) -> str:
+    return "the base model" if adapter is None else f"adapter {adapter!r}"
+
+
 def _leftover_token_layout(gm: fx.GraphModule) -> Optional[tuple]:
     """Token dims of the LoRA layers left in a graph, as size expressions (None if none found).
 
@@ -349,6 +356,10 @@ def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_d
             extras.append(meta.token_indices(device, token_dims, padded_dims))
         elif req.kind == ROW_SLOTS:
             extras.append(meta.row_slots(device, token_dims, padded_dims))
+        elif req.kind == POOLED_ROW_SLOTS:
+            extras.append(meta.row_slots(device, token_dims, padded_dims, pooled=True))
+        elif req.kind == SAVED_MODULE_PARAM:
+            extras.append(meta.saved_tensor(req.site, *req.param, device))
         elif req.kind == STACKED_A:
             extras.append(meta.stacked_a(req.site, device))
         elif req.kind == STACKED_A_T:

@@ -11,6 +11,11 @@ passes = {
     "lora_embedding": True,
     "lora_bias": True,
     "lora_linear": True,
+    # Off: a site whose adapters are all inactive (no LoRA branch in the graph) is left as its base op,
+    # and the graph then accepts only a uniform mapping; never a wrong batch.
+    "lora_attach": True,
+    # Off: PEFT modules_to_save run the traced variant only, and the graph accepts only a uniform mapping.
+    "saved_modules": True,
     "fuse_shared_shrink": True,
 }
 

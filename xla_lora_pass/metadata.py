@@ -31,7 +31,6 @@ second object registering the same model would add its own eager guards.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import numbers
@@ -44,9 +43,11 @@ import torch
 
 from graph_rewrites import GROUP_SEPARATOR
 
+from . import eager_guard
 from .adapters import AdapterWeights, SiteSpec, adapter_names, iter_lora_sites
 from .errors import UnsupportedMappingError
 from .generation import route_generate
+from .saved_modules import SavedModuleSpec, iter_saved_modules
 from .ops_blocked import padded_layout
 from .ops_segments import SegmentLayout, build_segment_layout
 
@@ -69,6 +70,9 @@ class LoRAMetadata:
         self._slots: List[Optional[str]] = []
         self._sites: Dict[str, SiteSpec] = {}
         self._param_index: Dict[int, Tuple[str, str, str]] = {}
+        self._saved: Dict[str, SavedModuleSpec] = {}  # PEFT modules_to_save, by path
+        self._base_index: Dict[int, str] = {}  # id(base weight) -> site
+        self._saved_index: Dict[int, Tuple[str, Optional[str], str]] = {}  # id(tensor) -> (module, adapter, name)
         self._host_stacks: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._device_stacks: Dict[Tuple[str, str, str], torch.Tensor] = {}  # (site, role, device)
         self._host_bias: Dict[str, torch.Tensor] = {}
@@ -104,6 +108,11 @@ class LoRAMetadata:
     def sites(self) -> Mapping[str, SiteSpec]:
         return types.MappingProxyType(self._sites)
 
+    @property
+    def saved_modules(self) -> Mapping[str, SavedModuleSpec]:
+        """PEFT ``modules_to_save`` served per token or row, by module path."""
+        return types.MappingProxyType(self._saved)
+
     def slot_of(self, adapter: str) -> int:
         """The slot number of a registered adapter name."""
         try:
@@ -119,12 +128,13 @@ class LoRAMetadata:
         Registering again replaces what was registered before.
         """
         sites = list(iter_lora_sites(model))
+        saved = list(iter_saved_modules(model))  # refuses, by name, a kind it cannot serve exactly
         if not sites:
             warnings.warn(
                 f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
                 stacklevel=2,
             )
-        names = adapter_names(model) if sites else []
+        names = adapter_names(model) if sites or saved else []
         num_slots = self.max_slots if self.max_slots is not None else len(names)
         if len(names) > num_slots:
             raise ValueError(f"{len(names)} adapters {names} do not fit max_slots={num_slots}")
@@ -133,6 +143,7 @@ class LoRAMetadata:
             host_stacks = {s.name: self._stack_site(s, slots) for s in sites}
             self._slots = slots
             self._sites = {s.name: s for s in sites}
+            self._saved = {m.name: m for m in saved}
             self.refresh_param_index()
             self._host_stacks = host_stacks
             self._host_bias = {s.name: self._stack_bias(s, slots) for s in sites
@@ -143,47 +154,11 @@ class LoRAMetadata:
             # Slot numbers may now mean other adapters: an old mapping would pick the wrong ones.
             self._mapping = self._request_rows = None
             self._drop_mapping_caches()
-            self._install_eager_guards(sites)
+            self._hook_handles = eager_guard.install(self, sites, saved, self._hook_handles)
         if sites:
             route_generate(self, model)  # HF's generate never calls the compiled module: generation.py
-        log.info("registered %d LoRA sites, slots %s", len(sites), self._slots)
+        log.info("registered %d LoRA sites and %d saved modules, slots %s", len(sites), len(saved), self._slots)
         return list(names)
-
-    def _install_eager_guards(self, sites) -> None:
-        """A hook on every LoRA layer that refuses an eager result under a mapping it gets wrong.
-
-        A LoRA layer that runs outside a compiled graph (a graph break, or
-        Dynamo past its recompile limit falling back to eager) computes its
-        active adapter for every token.  Under Dynamo the hook returns at once
-        (``is_compiling``), so it adds nothing to the captured graph.  A forward
-        hook, not a pre-hook: it must see the ``adapter_names`` kwarg PEFT's own
-        pre-hook adds for its mixed-batch path.
-        """
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = [
-            s.module.register_forward_hook(functools.partial(self._eager_guard, s.name), with_kwargs=True)
-            for s in sites if s.module is not None
-        ]
-
-    def _eager_guard(self, site_name: str, module, args, kwargs, output):
-        if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
-            return None  # traced, or PEFT's own mixed-batch path, which is exact
-        values = self.mapped_slots()
-        if values is None:
-            return None
-        if getattr(module, "disable_adapters", False):
-            active, computes = [], {NO_LORA}
-        else:
-            active = list(getattr(module, "active_adapters", []))
-            computes = {self._slots.index(a) for a in active if a in self._slots}
-        if len(computes) == 1 and values == computes:
-            return None
-        raise UnsupportedMappingError(
-            f"LoRA layer {site_name} is running eagerly (outside a compiled graph: a graph break, or Dynamo "
-            f"past its recompile limit), where it computes its active adapter {active} for every token; the "
-            f"mapping uses slots {sorted(values)}. Set a uniform mapping on the active adapter, or "
-            "fix the graph break (TORCH_LOGS=graph_breaks,recompiles)")
 
     def _site_rank(self, site: SiteSpec) -> int:
         ranks = [w.rank for w in site.adapters.values()]
@@ -245,6 +220,11 @@ class LoRAMetadata:
         if not self._sites:
             raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
                                "register_adapters(model) with a model that has LoRA layers first")
+        saved = sorted(m.name for m in self._saved.values() if name in m.adapters)
+        if saved:
+            raise ValueError(f"load_adapter({name!r}): this adapter has PEFT modules_to_save copies ({saved}) that "
+                             "load_adapter cannot replace, so its rows would mix new LoRA weights with the old "
+                             "copies; load it into the PEFT model and call register_adapters(model) again")
         per_site = _split_state(state, self._sites)
         if not per_site:
             raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
@@ -312,10 +292,29 @@ class LoRAMetadata:
             pid: (s.name, adapter, role) for s in self._sites.values()
             for pid, (adapter, role) in s.param_roles().items()
         }
+        self._base_index = {id(w): s.name for s in self._sites.values() if (w := s.base_weight()) is not None}
+        self._saved_index = {}
+        for m in self._saved.values():
+            for adapter in (None,) + m.adapters:
+                for name, tensor in m.tensors(adapter).items():
+                    self._saved_index.setdefault(id(tensor), (m.name, adapter, name))
 
     def lookup(self, tensor) -> Optional[Tuple[str, str, str]]:
         """``(site, adapter, role)`` if ``tensor`` is a registered LoRA parameter."""
         return self._param_index.get(id(tensor))
+
+    def lookup_base(self, tensor) -> Optional[str]:
+        """The site whose base-layer weight ``tensor`` is, if any."""
+        return self._base_index.get(id(tensor))
+
+    def lookup_saved(self, tensor) -> Optional[Tuple[str, Optional[str], str]]:
+        """``(saved module, adapter or None for the original, tensor name)`` if ``tensor`` belongs to one."""
+        return self._saved_index.get(id(tensor))
+
+    def saved_tensor(self, module: str, adapter: Optional[str], name: str, device) -> torch.Tensor:
+        """One tensor of a saved module's variant, the live one (the model's own, on ``device``)."""
+        tensor = self._saved[module].tensors(adapter)[name]
+        return tensor if tensor.device == torch.device(device) else tensor.to(device)
 
     def site_rank(self, site_name: str) -> int:
         return self._host_stacks[site_name][0].shape[1]
@@ -575,14 +574,21 @@ class LoRAMetadata:
                 self._uniform_cache[key] = cached
             return cached
 
-    def row_slots(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]) -> torch.Tensor:
+    def row_slots(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...], *,
+                  pooled: bool = False) -> torch.Tensor:
         """Device int32 ``[max_num_tokens]``: the slot of each row of the padded grid, -1 past the real rows.
 
-        Refused unless :meth:`rows_uniform` (a row kernel fed a mixed row
-        would give the whole row its first token's adapter); the graph
-        narrows it to the bucket's row count.
+        Refused unless :meth:`rows_uniform`: a row kernel fed a mixed row
+        would give the whole row its first token's adapter, and so would a
+        saved head that pools each row to one output (``pooled``, named in the
+        error).  The graph narrows it to the bucket's row count.
         """
         if not (self._warming or self.rows_uniform(real_dims)):
+            if pooled:
+                raise UnsupportedMappingError(
+                    f"the mapping gives tokens of one row (token dims {list(real_dims)}) different adapters, but "
+                    "this graph has a saved module (PEFT modules_to_save) that pools each row to one output, so a "
+                    "row can only have one adapter; give every token of a row the same adapter")
             raise UnsupportedMappingError(
                 f"the mapping gives tokens of one row (token dims {list(real_dims)}) different adapters: a graph "
                 "rewritten with the row kernel cannot run it (the backend switches to the masked kernel; "

@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 import graph_rewrites
-from graph_rewrites import LORA_WEIGHT, LoRAWeightRef, NearMiss, RewriteContext, RewriteReport
+from graph_rewrites import (BASE_WEIGHT, LORA_WEIGHT, SAVED_PARAM, LoRAWeightRef, NearMiss, RewriteContext,
+                            RewriteReport, SavedParamRef)
 
 from . import config
 from . import ops  # noqa: F401  (registers torch.ops.xla_lora before any pass runs)
@@ -90,10 +91,20 @@ UNREGISTERED = ("a LoRA weight this LoRAMetadata does not know: call meta.regist
 
 
 def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> int:
-    """Mark each placeholder whose example tensor is a LoRA parameter (registered or not)."""
+    """Mark each placeholder whose example tensor is a LoRA parameter (registered or not), a registered
+    site's base weight, or a tensor of a saved module (PEFT modules_to_save); all found by identity."""
     found = 0
     meta.refresh_param_index()
     for node, tensor in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        base_site = meta.lookup_base(tensor)
+        if base_site is not None:
+            node.meta[BASE_WEIGHT] = _site_ref(meta, base_site, None, "base")
+        saved = meta.lookup_saved(tensor)
+        if saved is not None:
+            module, adapter, name = saved
+            spec = meta.saved_modules[module]
+            node.meta[SAVED_PARAM] = SavedParamRef(module, adapter, name, spec.module_key, spec.adapters,
+                                                   tuple(meta.slots))
         hit = meta.lookup(tensor)
         if hit is None:
             ref = _unregistered_ref(node)
@@ -101,17 +112,22 @@ def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: Lo
                 node.meta[LORA_WEIGHT] = ref
                 found += 1
             continue
-        site_name, adapter, role = hit
-        site = meta.sites[site_name]
-        weights = site.adapters[adapter]
-        node.meta[LORA_WEIGHT] = LoRAWeightRef(
-            site=site_name, adapter=adapter, role=role, kind=site.kind,
-            in_features=site.in_features, out_features=site.out_features, scaling=weights.scaling,
-            num_slots=meta.num_slots, stacked_rank=meta.site_rank(site_name), dtype=weights.lora_a.dtype,
-            unsupported=site.unsupported,
-        )
+        node.meta[LORA_WEIGHT] = _site_ref(meta, *hit)
         found += 1
     return found
+
+
+def _site_ref(meta: LoRAMetadata, site_name: str, adapter: Optional[str], role: str) -> LoRAWeightRef:
+    """What the patterns need to know of a registered site, for one of its weights."""
+    site = meta.sites[site_name]
+    any_w = next(iter(site.adapters.values()))
+    scaling = site.adapters[adapter].scaling if adapter is not None else float("nan")
+    return LoRAWeightRef(
+        site=site_name, adapter=adapter, role=role, kind=site.kind,
+        in_features=site.in_features, out_features=site.out_features, scaling=scaling,
+        num_slots=meta.num_slots, stacked_rank=meta.site_rank(site_name), dtype=any_w.lora_a.dtype,
+        unsupported=site.unsupported, lora_bias=any(w.bias is not None for w in site.adapters.values()),
+    )
 
 
 def _report_leftovers(gm: fx.GraphModule, report: RewriteReport) -> None:
@@ -119,7 +135,7 @@ def _report_leftovers(gm: fx.GraphModule, report: RewriteReport) -> None:
     explained = {n.site for n in report.near_misses}
     for site, ref in graph_rewrites.unrewritten_lora_weights(gm).items():
         if site not in explained:
-            reason = ref.unsupported or "no pattern matched the computation around its LoRA weights"
+            reason = getattr(ref, "unsupported", None) or "no pattern matched the computation around its LoRA weights"
             report.near_misses.append(NearMiss(site, None, reason))
 
 

@@ -1,0 +1,143 @@
+"""Issue 12's cases end to end on XLA: exact against PEFT to 1e-4 (fp32), no XLA compile on remap.
+
+Rows [sql, chat, code, base]; each model built from a tiny config with random weights.
+"""
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import xla_lora_pass as xlp
+from xla_lora_pass.demo_models import per_sequence_mapping, tiny_llama_config
+
+from .models import per_row_eager
+from .xla_utils import xla_compiles
+
+ROWS = ["sql", "chat", "code", None]
+ROTATED = ["code", None, "sql", "chat"]
+SEQ = 6
+LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft(model, adapters, **common):
+    """``adapters``: (name, targets, r, alpha, extra LoraConfig kwargs); every saved copy made distinct."""
+    peft_model = None
+    for name, targets, r, alpha, extra in adapters:
+        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **common, **extra)
+        peft_model = get_peft_model(model, cfg, adapter_name=name) if peft_model is None else peft_model
+        if name not in peft_model.peft_config:
+            peft_model.add_adapter(name, cfg)
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if ".modules_to_save." in pname:
+                p.add_(torch.randn_like(p) * 0.5)
+    peft_model.set_adapter(adapters[0][0])
+    return peft_model.eval()
+
+
+def _ids(vocab=128, rows=len(ROWS)):
+    return torch.randint(3, vocab, (rows, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _serve(model, device, rows_list, call, refs):
+    """Compile, run each rows mapping, check against its reference; return (meta, compiles on the remaps)."""
+    model.to(device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    remap_compiles = []
+    for i, rows in enumerate(rows_list):
+        meta.set_token_adapters(per_sequence_mapping(rows, SEQ))
+        before = xla_compiles()
+        with torch.no_grad():
+            out = call(compiled).cpu()
+        if i:
+            remap_compiles.append(xla_compiles() - before)
+        diff = (out - refs[i]).abs().max().item()
+        assert diff < 1e-4, (rows, diff)
+    model.cpu()
+    torch._dynamo.reset()
+    return meta, remap_compiles
+
+
+def test_adapters_on_different_target_modules(xla_device):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = _peft(LlamaForCausalLM(tiny_llama_config()), [
+        ("sql", ["q_proj", "v_proj"], 4, 8, {}),
+        ("chat", LLAMA_ALL, 8, 16, {}),
+        ("code", ["gate_proj", "up_proj", "embed_tokens"], 2, 2, {"use_rslora": True})])
+    ids = _ids()
+    refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
+    meta, remaps = _serve(model, xla_device, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    assert len(meta.sites) == 2 * 7 + 1
+    rewrites = meta.stats["rewrites"]
+    assert rewrites["lora_linear"] + rewrites["lora_attach"] == 2 * 7 + 1  # every site, whatever is active
+    assert rewrites["lora_attach"] > 0
+    assert remaps == [0]
+
+
+def test_modules_to_save_lm_head_and_embed_tokens(xla_device):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    saved = {"modules_to_save": ["lm_head", "embed_tokens"]}
+    model = _peft(LlamaForCausalLM(tiny_llama_config()), [
+        ("sql", ["q_proj"], 4, 8, saved), ("chat", ["v_proj"], 8, 16, saved), ("code", ["q_proj"], 2, 2, saved)])
+    ids = _ids()
+    refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
+    meta, remaps = _serve(model, xla_device, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    assert meta.stats["rewrites"]["saved_module"] == 2
+    assert remaps == [0]
+
+
+def test_roberta_sequence_classification_head(xla_device):
+    """SEQ_CLS saves RoBERTa's whole classifier (dense -> tanh -> out_proj on the first token) per adapter."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    torch.manual_seed(2)
+    cfg = RobertaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=3)
+    model = _peft(RobertaForSequenceClassification(cfg), [
+        ("sql", ["query", "value"], 4, 8, {}), ("chat", ["query", "key", "dense"], 8, 16, {}),
+        ("code", ["value"], 2, 2, {})], task_type="SEQ_CLS")
+    ids = _ids()
+    refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
+    meta, remaps = _serve(model, xla_device, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    assert "base_model.model.classifier" in meta.saved_modules
+    assert meta.stats["rewrites"]["saved_module"] == 1
+    assert remaps == [0]
+
+
+def test_llama_sequence_classification_score(xla_device):
+    """Llama's ``score`` runs on every token before HF pools the last non-pad one: served per token."""
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(3)
+    model = _peft(LlamaForSequenceClassification(tiny_llama_config(num_labels=3, pad_token_id=0)), [
+        ("sql", ["q_proj", "v_proj"], 4, 8, {}), ("chat", ["k_proj"], 8, 16, {}), ("code", ["v_proj"], 2, 2, {})],
+        task_type="SEQ_CLS")
+    ids = _ids()
+    refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
+    meta, remaps = _serve(model, xla_device, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    assert "base_model.model.score" in meta.saved_modules
+    assert remaps == [0]
+
+
+def test_pooled_head_refuses_a_row_with_two_adapters(xla_device):
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    torch.manual_seed(2)
+    cfg = RobertaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=3)
+    model = _peft(RobertaForSequenceClassification(cfg), [("sql", ["query"], 4, 8, {}), ("chat", ["value"], 2, 4, {})],
+                  task_type="SEQ_CLS")
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner="aot_eager"))
+    ids = _ids(rows=2)
+    meta.set_token_adapters(["sql", "chat"] * SEQ)
+    with pytest.raises(xlp.UnsupportedMappingError, match="pools each row to one output"):
+        with torch.no_grad():
+            compiled(input_ids=ids)
+    torch._dynamo.reset()
