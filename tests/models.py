@@ -20,12 +20,17 @@ class TwoLayer(nn.Module):
 
 def peft_two_layer(adapters=(("sql", 2, 4), ("chat", 4, 4)), seed=0, **lora_kw):
     """TwoLayer with one PEFT adapter per (name, rank, alpha) on ``proj``, active adapter first."""
+    return _with_peft_adapters(TwoLayer, ["proj"], adapters, seed, **lora_kw)
+
+
+def _with_peft_adapters(make_base, targets, adapters, seed, **lora_kw):
+    """``make_base()`` wrapped by PEFT with one adapter per (name, rank, alpha) on ``targets``, the first active."""
     torch.manual_seed(seed)
     model = None
     for name, r, alpha in adapters:
-        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=["proj"], init_lora_weights=False, **lora_kw)
+        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **lora_kw)
         if model is None:
-            model = get_peft_model(TwoLayer(), cfg, adapter_name=name)
+            model = get_peft_model(make_base(), cfg, adapter_name=name)
         else:
             model.add_adapter(name, cfg)
     model.set_adapter(adapters[0][0])
@@ -153,13 +158,4 @@ class TwoStacks(nn.Module):
 
 def peft_two_stacks(adapters=(("sql", 2, 4), ("chat", 4, 4)), seed=0):
     """TwoStacks with one PEFT adapter per (name, rank, alpha) on enc, dec and head."""
-    torch.manual_seed(seed)
-    model = None
-    for name, r, alpha in adapters:
-        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=["enc", "dec", "head"], init_lora_weights=False)
-        if model is None:
-            model = get_peft_model(TwoStacks(), cfg, adapter_name=name)
-        else:
-            model.add_adapter(name, cfg)
-    model.set_adapter(adapters[0][0])
-    return model.eval()
+    return _with_peft_adapters(TwoStacks, ["enc", "dec", "head"], adapters, seed)
