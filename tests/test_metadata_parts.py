@@ -132,26 +132,39 @@ def test_count_is_public_on_the_metadata(meta):
     assert meta.stats["bucket_hits"] == {(2, 8): 1} and meta.stats["fallbacks"] == 1
 
 
-@pytest.mark.parametrize("call", [
-    lambda m: m.warming_up().__enter__(),
-    lambda m: m.is_warming_up,
-    lambda m: m.slots,
-    lambda m: m.token_indices("cpu", (4,), (4,)),
-    lambda m: m.count("compiles"),
-    lambda m: m.lookup(torch.zeros(1)),
-])
-def test_every_call_waits_for_the_lock(meta, call):
+def _waits_for_lock(meta, call) -> None:
+    """``call(meta)`` in another thread blocks while this thread holds the object's lock, then completes."""
     done = threading.Event()
 
     def run():
         call(meta)
         done.set()
-    with meta._lock:  # another thread holds the object: the call must wait for it
+    with meta._lock:
         thread = threading.Thread(target=run)
         thread.start()
         assert not done.wait(0.2)
     assert done.wait(10)
     thread.join()
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.is_warming_up,
+    lambda m: m.slots,
+    lambda m: m.set_token_adapters(["sql"] * 4),
+    lambda m: m.token_indices("cpu", (4,), (4,)),
+    lambda m: m.count("compiles"),
+    lambda m: m.lookup(torch.zeros(1)),
+])
+def test_every_call_waits_for_the_lock(meta, call):
+    _waits_for_lock(meta, call)
+
+
+def test_warming_up_takes_the_lock_on_entry_and_on_exit(meta):
+    warm_up = meta.warming_up()  # kept here: a dropped generator would exit when collected
+    _waits_for_lock(meta, lambda m: warm_up.__enter__())
+    assert meta.is_warming_up
+    _waits_for_lock(meta, lambda m: warm_up.__exit__(None, None, None))
+    assert not meta.is_warming_up
 
 
 def test_a_fused_site_is_a_tuple_and_its_a_is_the_members_concatenated(meta):
