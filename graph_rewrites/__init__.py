@@ -15,7 +15,7 @@ import torch.fx as fx
 from .annotations import (BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, SAVED_PARAM, STACKED_A, STACKED_B, STACKED_BIAS,
                           STACKED_DORA, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef, SavedParamRef)
 from .flat_tokens import flat_token_nodes
-from .fuse_shared_shrink import GROUP_SEPARATOR, fuse_shared_shrinks
+from .fuse_shared_shrink import fuse_shared_shrinks
 from .fx_utils import (canonicalize_weight_transposes, drop_none_bias, functionalize_fresh_updates,
                        remove_eval_dropout)
 from .lora_attach import attach_lora_sites, unserved_base_sites
@@ -102,7 +102,7 @@ def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, Union[LoRAWeightRe
 
 
 __all__ = [
-    "BASE_WEIGHT", "SAVED_PARAM", "SavedParamRef", "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A",
+    "BASE_WEIGHT", "SAVED_PARAM", "SavedParamRef", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A",
     "STACKED_B", "STACKED_BIAS", "STACKED_DORA", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
     "NearMiss", "PASSES", "PassResult", "RewriteContext", "RewriteReport", "SiteRewrite", "run_passes",
     "unrewritten_lora_weights",

@@ -10,7 +10,7 @@ adds a placeholder carrying a :class:`GraphInputRequest` in
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -88,7 +88,7 @@ class GraphInputRequest:
 
     kind: str  # TOKEN_INDICES, (POOLED_)ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS, STACKED_DORA,
     # SAVED_MODULE_PARAM, one of LAYOUT_KINDS or one of SEGMENT_KINDS
-    site: Optional[str] = None
+    site: Union[str, Tuple[str, ...], None] = None  # a tuple of sites for an A fused over sites sharing an input
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32
     param: Optional[Tuple[Optional[str], str]] = None  # SAVED_MODULE_PARAM: (adapter or None, tensor name)

@@ -21,7 +21,6 @@ from .lora_linear import KERNEL_OPS
 from .report import RewriteContext
 
 PATTERN_NAME = "fuse_shared_shrink"
-GROUP_SEPARATOR = "+"  # a fused A input's site is its members' names joined by this
 
 
 def _same_value_key(node: fx.Node) -> Tuple:
@@ -62,8 +61,8 @@ def fuse_shared_shrinks(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
         ranks = [r.shape[rank_dim] for r in requests]
         shape = list(requests[0].shape)
         shape[rank_dim] = sum(ranks)
-        fused_request = GraphInputRequest(kind, GROUP_SEPARATOR.join(r.site for r in requests), tuple(shape),
-                                          requests[0].dtype)
+        # The fused A input's site is the tuple of its members' sites: the metadata concatenates their A stacks.
+        fused_request = GraphInputRequest(kind, tuple(r.site for r in requests), tuple(shape), requests[0].dtype)
         device = fx_utils.example_value(first).device
         fused_w = fx_utils.get_or_add_input(graph, f"lora_a_fused_{ctx.report.shrinks_fused}", fused_request,
                                             device)

@@ -116,10 +116,10 @@ def main():
                        "B": torch_xla._XLAC._get_xla_sharding_spec(b),
                        "A_shape": list(a.shape), "B_shape": list(b.shape)}
     out["specs"] = specs
-    fused = [k[0] for k in meta._device_stacks if "+" in k[0]]
-    out["fused_specs"] = {k: torch_xla._XLAC._get_xla_sharding_spec(meta.stacked_weights(k, device)[0])
+    fused = [k[0] for k in meta.device_copies() if isinstance(k[0], tuple)]
+    out["fused_specs"] = {"+".join(k): torch_xla._XLAC._get_xla_sharding_spec(meta.stacked_weights(k, device)[0])
                           for k in fused}
-    index_tensors = [t for v in meta._index_cache.values() for t in (v if isinstance(v, tuple) else (v,))]
+    index_tensors = meta.step_tensors(device)
     out["index_specs"] = sorted({torch_xla._XLAC._get_xla_sharding_spec(t) for t in index_tensors})
 
     # Memory: bytes on one device of each site's stacked A and B, sharded vs whole; and of every
@@ -129,7 +129,7 @@ def main():
         return sum(p for p, _ in pairs), sum(w for _, w in pairs)
 
     site_tensors = [t for site in meta.sites for t in meta.stacked_weights(site, device)]
-    graph_tensors = {id(t): t for t in meta._device_stacks.values()}
+    graph_tensors = {id(t): t for t in meta.device_copies().values()}
     sp, sw = per_device(site_tensors)
     gp, gw = per_device(graph_tensors.values())
     out["bytes"] = {"site_stacks_per_device": sp, "site_stacks_whole": sw,

@@ -174,7 +174,7 @@ def served(xla_device) -> Served:
 def _snapshot(meta: xlp.LoRAMetadata):
     mapping = meta.mapping()
     return (meta.slots, None if mapping is None else mapping.tolist(),
-            {site: [t.clone() for t in meta._host_stacks[site]] for site in meta.sites})
+            {site: [t.clone() for t in meta.host_stacks(site)] for site in meta.sites})
 
 
 def try_bad_input(s: Served, bad: BadInput):
@@ -377,7 +377,7 @@ def test_two_models_with_two_metadata_objects_share_no_state(xla_device):
         served[id(model)] = (meta, torch.compile(model, backend=xlp.make_backend(meta)))
     (meta_one, _), (meta_two, _) = served[id(one)], served[id(two)]
     assert meta_one.slots == names_one and meta_two.slots == names_two
-    host_one = {site: [t.clone() for t in meta_one._host_stacks[site]] for site in meta_one.sites}
+    host_one = {site: [t.clone() for t in meta_one.host_stacks(site)] for site in meta_one.sites}
     for (model, rows), reference in zip(steps, references):
         meta, compiled = served[id(model)]
         other = meta_two if meta is meta_one else meta_one
@@ -400,7 +400,7 @@ def test_two_models_with_two_metadata_objects_share_no_state(xla_device):
     # A new adapter in one object changes nothing in the other.
     meta_two.load_adapter("x", _state(), scaling=3.0)
     assert all(torch.equal(x, y) for site in meta_one.sites
-               for x, y in zip(host_one[site], meta_one._host_stacks[site]))
+               for x, y in zip(host_one[site], meta_one.host_stacks(site)))
     # Counters: each object counts its own calls and programs.
     for meta, calls in ((meta_one, 3), (meta_two, 2)):
         stats = meta.stats
@@ -409,7 +409,7 @@ def test_two_models_with_two_metadata_objects_share_no_state(xla_device):
     assert meta_one.stats["rewrites"] == meta_two.stats["rewrites"]  # same architecture, separate counts
     snapshot = meta_one.stats
     [key] = snapshot["bucket_hits"]
-    meta_one._count("bucket_hits", key)
+    meta_one.count("bucket_hits", key)
     assert snapshot["bucket_hits"][key] == 3  # stats is a snapshot, nested counters included
 
 

@@ -127,7 +127,7 @@ def test_partition_specs_when_both_stacks_are_split():
     sh = _fake(MEGATRON_LLAMA, both=True)
     assert sh.partition_specs("l.q_proj") == ((None, None, "model"), (None, "model", None))
     assert sh.partition_specs("l.o_proj") == ((None, None, "model"), (None, "model", None))
-    assert sh.partition_specs("l.q_proj+l.k_proj") == ((None, None, "model"), None)
+    assert sh.partition_specs(("l.q_proj", "l.k_proj")) == ((None, None, "model"), None)
     assert sh.bias_spec("l.o_proj") == (None, "model")
 
 
@@ -137,10 +137,10 @@ def test_partition_specs_per_layout():
     assert sh.axis == "model"
     assert sh.partition_specs("l.q_proj") == ((None, None, None), (None, "model", None))
     assert sh.partition_specs("l.o_proj") == ((None, None, "model"), (None, None, None))
-    assert sh.partition_specs("l.q_proj+l.k_proj") == ((None, None, None), None)
+    assert sh.partition_specs(("l.q_proj", "l.k_proj")) == ((None, None, None), None)
     assert sh.bias_spec("l.q_proj") == (None, "model") and sh.bias_spec("l.o_proj") == (None, None)
     rows = _fake(lambda site: ROW)
-    assert rows.partition_specs("l.q_proj+l.k_proj") == ((None, None, "model"), None)
+    assert rows.partition_specs(("l.q_proj", "l.k_proj")) == ((None, None, "model"), None)
     assert _fake({"l.k_proj": REPLICATED, "q_proj": ROW}).layout("l.k_proj") == REPLICATED
 
 

@@ -60,9 +60,9 @@ class LoRABackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         compiled = self.rewrite_and_wrap(gm, example_inputs, config.kernel)
         for pattern, n in compiled.report.counts().items():
-            self.meta._count("rewrites", pattern, n)
+            self.meta.count("rewrites", pattern, n)
         if compiled.report.error:
-            self.meta._count("fallbacks")
+            self.meta.count("fallbacks")
         self.graphs.append(compiled)
         return compiled
 
@@ -231,10 +231,10 @@ class CompiledLoRAGraph:
             program = self._compile(key, call_args + extras)
         # A bucket is the padded token dims (every size, for a graph with no token layout).
         bucket = tuple(padded_dims) if padded_dims is not None and not self.shapes.not_bucketable else key
-        self.meta._count("bucket_hits", bucket)
+        self.meta.count("bucket_hits", bucket)
         if token_dims is not None:
-            self.meta._count("real_tokens", n=math.prod(token_dims))
-            self.meta._count("padded_tokens", n=math.prod(padded_dims) - math.prod(token_dims))
+            self.meta.count("real_tokens", n=math.prod(token_dims))
+            self.meta.count("padded_tokens", n=math.prod(padded_dims) - math.prod(token_dims))
         outs = program(*call_args, *extras)
         return self.shapes.slice_outputs(outs, bindings) if padded != bindings else outs
 
@@ -332,7 +332,7 @@ class CompiledLoRAGraph:
         log.info("compiling program for bucket %s", key)
         program = self.inner(copy_graph_module(self.gm), list(example_args))
         self.programs[key] = program
-        self.meta._count("compiles")
+        self.meta.count("compiles")
         return program
 
 

@@ -1,15 +1,16 @@
 """``LoRAMetadata``: the one object that says which adapter each token uses.
 
-It owns, for every registered LoRA site, the per-slot stacked weights
-(A ``[N, R, in]``, B ``[N, out, R]`` with each adapter's scaling folded into
-B, ranks zero-padded to the site's max rank, which is exact), and the int32
-token indices of the current step (-1 = base model only).  Compiled graphs
-receive both as graph inputs, so a new mapping or new adapter weights never
-recompile anything.
+It owns, for every registered LoRA site, the per-slot stacked weights and
+the int32 token indices of the current step (-1 = base model only).
+Compiled graphs receive both as graph inputs, so a new mapping or new
+adapter weights never recompile anything.
 
-Host first, device once: the mapping is built on the host and copied to the
-device once per step in one transfer (an in-place update of an XLA tensor
-would be a lazy op, i.e. one more XLA program to compile).
+A facade (the way ``torch.fx.GraphModule`` delegates to ``Graph`` and
+``CodeGen``): adapter_stacks.py holds the slots and host stacks and loads
+adapters, param_index.py finds a graph's parameters, token_mapping.py holds
+the mapping and every per-step value built from it, device_stacks.py the
+device copies and their SPMD placement, stats.py the counters.  This class
+owns the lock and the order of operations; the parts own their state.
 
 Bad input is refused in eager Python before any device work, and a refused
 call changes nothing: ``set_token_adapters`` keeps the old mapping,
@@ -31,35 +32,44 @@ second object registering the same model would add its own eager guards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import math
-import numbers
-import os
 import threading
-import types
 import warnings
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from graph_rewrites import GROUP_SEPARATOR
-
 from . import eager_guard
-from .adapters import AdapterWeights, SiteSpec
-from .dora import dora_rows, stack_dora
-from .errors import UnsupportedMappingError
+from .adapter_stacks import AdapterStacks
+from .adapters import SiteSpec
+from .device_stacks import DeviceStacks, Site
 from .formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
-from .formats.peft_dir import read_adapter_dir
-from .formats.state import split_state
 from .generation import route_generate
+from .param_index import ParamIndex
 from .saved_modules import SavedModuleSpec, iter_saved_modules
-from .ops_blocked import padded_layout
-from .ops_segments import SegmentLayout, build_segment_layout
+from .stats import Stats
+from .token_mapping import NO_LORA, TokenAdapter, TokenMapping
 
 log = logging.getLogger(__name__)
 
-NO_LORA = -1
-TokenAdapter = Union[str, int, None]
+
+def _locked(method):
+    """Run ``method`` holding the object's lock: each call is all-or-nothing for other threads."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+def _forward(part: str, method):
+    """A facade method that is ``method`` of the part ``self.<part>``, locked; the part's docstring is its."""
+    @_locked
+    @functools.wraps(method)
+    def forward(self, *args, **kwargs):
+        return method(getattr(self, part), *args, **kwargs)
+    return forward
 
 
 class LoRAMetadata:
@@ -72,62 +82,39 @@ class LoRAMetadata:
         self.max_num_tokens = int(max_num_tokens)
         self.max_slots = max_slots
         self.max_rank = max_rank
-        self._slots: List[Optional[str]] = []
-        self._sites: Dict[str, SiteSpec] = {}
-        self._param_index: Dict[int, Tuple[str, str, str]] = {}
-        self._saved: Dict[str, SavedModuleSpec] = {}  # PEFT modules_to_save, by path
-        self._base_index: Dict[int, str] = {}  # id(base weight) -> site
-        self._saved_index: Dict[int, Tuple[str, Optional[str], str]] = {}  # id(tensor) -> (module, adapter, name)
-        self._host_stacks: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._device_stacks: Dict[Tuple[str, str, str], torch.Tensor] = {}  # (site, role, device)
-        self._host_bias: Dict[str, torch.Tensor] = {}
-        self._host_dora: Dict[str, torch.Tensor] = {}  # [N, 2, out] per site holding a DoRA adapter (dora.py)
-        self._mapping: Optional[torch.Tensor] = None  # per token (set_token_adapters)
-        self._request_rows: Optional[torch.Tensor] = None  # per batch row (set_request_adapters)
-        self._index_cache: Dict[tuple, torch.Tensor] = {}  # device index tensors per mapping and bucket
-        self._uniform_cache: Dict[tuple, bool] = {}  # rows_uniform per mapping and token dims
-        self._segment_cache: Dict[tuple, Optional[SegmentLayout]] = {}  # host segment layouts per mapping and bucket
-        self._lock = threading.Lock()
+        # Re-entrant: a method may call another (shard builds an AdapterSharding that reads ``sites``).
+        self._lock = threading.RLock()
+        self._adapters = AdapterStacks(max_rank)
+        self._params = ParamIndex()
+        self._tokens = TokenMapping(self.max_num_tokens)
+        self._devices = DeviceStacks(self._adapters)
+        self._stats = Stats()
         self._hook_handles: list = []
-        self._warming = False
-        self._sharding = None  # sharding.AdapterSharding after shard(mesh)
-        self._stats = {
-            "compiles": 0,
-            "rewrites": {},
-            "bucket_hits": {},
-            "fallbacks": 0,
-            "padded_tokens": 0,
-            "real_tokens": 0,
-        }
 
-    # ------------------------------------------------------------------ slots
+    # ------------------------------------------------------------ adapters
     @property
+    @_locked
     def slots(self) -> List[Optional[str]]:
         """Slot names by slot number (None for a free slot)."""
-        return list(self._slots)
+        return list(self._adapters.slots)
 
     @property
+    @_locked
     def num_slots(self) -> int:
-        return len(self._slots)
+        return len(self._adapters.slots)
 
     @property
+    @_locked
     def sites(self) -> Mapping[str, SiteSpec]:
-        return types.MappingProxyType(self._sites)
+        return self._adapters.sites
 
     @property
+    @_locked
     def saved_modules(self) -> Mapping[str, SavedModuleSpec]:
         """PEFT ``modules_to_save`` served per token or row, by module path."""
-        return types.MappingProxyType(self._saved)
+        return self._adapters.saved
 
-    def slot_of(self, adapter: str) -> int:
-        """The slot number of a registered adapter name."""
-        try:
-            return self._slots.index(adapter)
-        except ValueError:
-            raise KeyError(
-                f"unknown adapter {adapter!r}; registered: {[s for s in self._slots if s is not None]}"
-            ) from None
-
+    @_locked
     def register_adapters(self, model: torch.nn.Module, *, adapter_name: str = DEFAULT_ADAPTER) -> List[str]:
         """Stack every loaded adapter of every LoRA layer of ``model``; return slot names.
 
@@ -140,323 +127,113 @@ class LoRAMetadata:
         sites = list(iter_lora_sites(model, adapter_name))
         saved = list(iter_saved_modules(model))  # refuses, by name, a kind it cannot serve exactly
         if not sites:
-            warnings.warn(
-                f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
-                stacklevel=2,
-            )
+            warnings.warn(f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
+                          stacklevel=3)  # the caller of the lock's wrapper
         names = adapter_names(model, sites) if sites or saved else []
         num_slots = self.max_slots if self.max_slots is not None else len(names)
         if len(names) > num_slots:
             raise ValueError(f"{len(names)} adapters {names} do not fit max_slots={num_slots}")
-        with self._lock:
-            slots = list(names) + [None] * (num_slots - len(names))
-            host_stacks = {s.name: self._stack_site(s, slots) for s in sites}
-            host_dora = {s.name: stack_dora(s, slots) for s in sites if s.has_dora}
-            self._slots = slots
-            self._sites = {s.name: s for s in sites}
-            self._saved = {m.name: m for m in saved}
-            self.refresh_param_index()
-            self._host_stacks = host_stacks
-            self._host_bias = {s.name: self._stack_bias(s, slots) for s in sites
-                               if any(w.bias is not None for w in s.adapters.values())}
-            self._host_dora = host_dora
-            self._device_stacks.clear()
-            if self._sharding is not None:
-                self._sharding.forget()
-            # Slot numbers may now mean other adapters: an old mapping would pick the wrong ones.
-            self._mapping = self._request_rows = None
-            self._drop_mapping_caches()
-            self._hook_handles = eager_guard.install(self, sites, saved, self._hook_handles)
+        self._adapters.register(sites, saved, list(names) + [None] * (num_slots - len(names)))
+        self._params.refresh(sites, saved)
+        self._devices.sites_changed()
+        self._tokens.forget()
+        self._hook_handles = eager_guard.install(self, sites, saved, self._hook_handles)
         if sites:
             route_generate(self, model)  # HF's generate never calls the compiled module: generation.py
-        log.info("registered %d LoRA sites and %d saved modules, slots %s", len(sites), len(saved), self._slots)
+        log.info("registered %d LoRA sites and %d saved modules, slots %s", len(sites), len(saved),
+                 self._adapters.slots)
         return list(names)
 
-    def _site_rank(self, site: SiteSpec) -> int:
-        ranks = [w.rank for w in site.adapters.values()]
-        return max(ranks + [self.max_rank or 1])
-
-    def _stack_site(self, site: SiteSpec, slots: List[Optional[str]]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Host stacks of one site; slots whose adapter is absent here stay zero."""
-        any_w = next(iter(site.adapters.values()))
-        dtype = any_w.lora_a.dtype
-        rank = self._site_rank(site)
-        stack_a = torch.zeros(len(slots), rank, site.in_features, dtype=dtype)
-        stack_b = torch.zeros(len(slots), site.out_features, rank, dtype=dtype)
-        for slot, name in enumerate(slots):
-            if name in site.adapters:
-                where = f"register_adapters: {site.name} adapter {name!r}"
-                self._write_slot(stack_a, stack_b, slot, *_host_slot_weights(where, site.adapters[name], dtype))
-        return stack_a, stack_b
-
-    @staticmethod
-    def _stack_bias(site: SiteSpec, slots) -> torch.Tensor:
-        """Host ``[N, out]`` LoRA-bias rows, each scaled by its adapter's scaling; zero where absent."""
-        dtype = next(iter(site.adapters.values())).lora_b.dtype
-        bias = torch.zeros(len(slots), site.out_features, dtype=dtype)
-        for slot, name in enumerate(slots):
-            w = site.adapters.get(name)
-            if w is not None and w.bias is not None:
-                bias[slot] = (w.bias.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
-        return bias
-
-    @staticmethod
-    def _write_slot(stack_a, stack_b, slot: int, lora_a: torch.Tensor, scaled_b: torch.Tensor) -> None:
-        r = lora_a.shape[0]
-        with torch.no_grad():
-            stack_a[slot].zero_()
-            stack_b[slot].zero_()
-            stack_a[slot, :r] = lora_a
-            stack_b[slot, :, :r] = scaled_b
-
+    @_locked
     def load_adapter(self, name: str, state: Mapping[str, torch.Tensor], *, scaling: Optional[float] = None,
                      config=None) -> int:
         """Load one adapter's weights into its slot (or the first free one); never recompiles.
 
-        ``state`` is a state dict in the registered layers' own keys (PEFT
-        ``<site>.lora_A.weight``, an adapter name may stand before
-        ``.weight``; torchtune ``<site>.lora_a.weight``; loralib
-        ``<site>.lora_A``; ``formats/``).  The scaling comes from ``scaling``,
-        from a PEFT ``LoraConfig``, or else from the layer's own formula
-        (torchtune's and loralib's alpha over the loaded rank; a hand-written
-        layer's scaling when the rank is its own).
-
-        ``state`` may also be a PEFT adapter directory (``save_pretrained``:
-        ``adapter_config.json`` and ``adapter_model.safetensors``, or a
-        ``.bin`` read with ``torch.load(weights_only=True)``); the scaling
-        then comes from its config (alpha, ``alpha_pattern``, rsLoRA) and a
-        DoRA adapter's magnitudes from its weights (``formats/peft_dir.py``).
-
-        Weights may be of any floating dtype, cast to the site's stack dtype
-        (the model's LoRA dtype), and on any device that holds data (CPU, XLA,
-        ...): they are copied into the host stacks, one device-to-host transfer
-        each, and no reference to them is kept.  Refused before any slot is
-        touched: a shape that does not fit the site, a non-floating dtype, a
-        meta or sparse tensor, a NaN or inf (after the cast and the scaling).
+        ``state``: a state dict in the registered layers' own keys, or a saved
+        PEFT adapter directory; the scaling comes from ``scaling``, from
+        ``config`` (a ``LoraConfig``), from the directory's config, or else from
+        the layer's own formula (``AdapterStacks.validate`` lists them all).
+        Weights of any floating dtype, on any device that holds data, are copied
+        into the host stacks and not kept.  Refused before any slot is touched:
+        a shape that does not fit the site, a non-floating dtype, a meta or
+        sparse tensor, a NaN or inf (after the cast and the scaling).
         """
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"load_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
-        if isinstance(state, (str, os.PathLike)):
-            saved_state, saved_config = read_adapter_dir(f"load_adapter({name!r})", state)
-            state, config = saved_state, config if config is not None else saved_config
-        if not isinstance(state, Mapping):
-            raise TypeError(f"load_adapter({name!r}): state must be a mapping of name -> tensor or a saved PEFT "
-                            f"adapter directory, got {type(state).__name__}")
-        if not self._sites:
-            raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
-                               "register_adapters(model) with a model that has LoRA layers first")
-        saved = sorted(m.name for m in self._saved.values() if name in m.adapters)
-        if saved:
-            raise ValueError(f"load_adapter({name!r}): this adapter has PEFT modules_to_save copies ({saved}) that "
-                             "load_adapter cannot replace, so its rows would mix new LoRA weights with the old "
-                             "copies; load it into the PEFT model and call register_adapters(model) again")
-        per_site = split_state(f"load_adapter({name!r})", state, self._sites)
-        if not per_site:
-            raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
-        weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        dora: Dict[str, torch.Tensor] = {}
-        for site_name, roles in per_site.items():
-            site = self._sites[site_name]
-            lora_a, lora_b = roles["A"], roles["B"]
-            stack_a, _ = self._host_stacks[site_name]
-            where = f"load_adapter({name!r}): {site_name}"
-            self._check_loaded(name, site, stack_a, lora_a, lora_b)
-            loaded = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config),
-                                    magnitude=roles.get("magnitude"))
-            weights[site_name] = _host_slot_weights(where, loaded, stack_a.dtype)
-            if loaded.magnitude is None and getattr(config, "use_dora", False):
-                raise KeyError(f"{where}: the config says DoRA but the state has no lora_magnitude_vector for it")
-            if loaded.magnitude is not None:
-                if site_name not in self._host_dora:
-                    raise ValueError(f"{where}: a DoRA adapter, but the site was registered without one, so its "
-                                     "compiled graphs do not rescale per slot; register the model with a DoRA "
-                                     "adapter at this site (PEFT use_dora=True)")
-                dora[site_name] = dora_rows(where, site, loaded)
-        with self._lock:
-            if name in self._slots:
-                slot = self._slots.index(name)
-            elif None in self._slots:
-                slot = self._slots.index(None)
-            else:
-                raise ValueError(
-                    f"load_adapter({name!r}): all {self.num_slots} slots are taken by {self._slots}; "
-                    "create the metadata with a larger max_slots"
-                )
-            self._slots[slot] = name
-            for site_name, (stack_a, stack_b) in self._host_stacks.items():
-                if site_name in weights:
-                    self._write_slot(stack_a, stack_b, slot, *weights[site_name])
-                else:
-                    stack_a[slot].zero_()
-                    stack_b[slot].zero_()
-            for bias in self._host_bias.values():
-                bias[slot].zero_()  # a loaded adapter brings no LoRA bias
-            for site_name, rows in self._host_dora.items():
-                rows[slot] = dora.get(site_name, 0.0)  # zeros: a plain LoRA slot, left as the expand made it
-            # Fresh transfers at the next call rather than in-place device writes: no program to compile.
-            self._device_stacks.clear()
+        slot = self._adapters.write(self._adapters.validate(name, state, scaling=scaling, config=config))
+        self._devices.forget()  # fresh transfers at the next call rather than in-place device writes
         return slot
 
-    @staticmethod
-    def _check_loaded(name: str, site: SiteSpec, stack_a: torch.Tensor, lora_a, lora_b) -> None:
-        max_rank = stack_a.shape[1]
-        where = f"load_adapter({name!r}): {site.name}"
-        for what, t in (("lora_A", lora_a), ("lora_B", lora_b)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {type(t).__name__}")
-            if not t.is_floating_point():
-                raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {t.dtype} {list(t.shape)}")
-            if t.layout != torch.strided:
-                raise TypeError(f"{where}.{what}: expected a dense tensor, got layout {t.layout}")
-            if t.device.type == "meta":
-                raise ValueError(f"{where}.{what}: a meta tensor holds no data; give the weights on any "
-                                 "real device (they are copied to the host)")
-        r = lora_a.shape[0] if lora_a.dim() == 2 else -1
-        if lora_a.dim() != 2 or lora_a.shape[1] != site.in_features or not 1 <= r <= max_rank:
-            raise ValueError(
-                f"{where}.lora_A: expected [r, {site.in_features}] with 1 <= r <= {max_rank} "
-                f"(the site's stacked rank), got {list(lora_a.shape)}"
-            )
-        if list(lora_b.shape) != [site.out_features, r]:
-            raise ValueError(f"{where}.lora_B: expected {[site.out_features, r]}, got {list(lora_b.shape)}")
+    site_rank = _forward("_adapters", AdapterStacks.site_rank)
 
     # -------------------------------------------------------- graph lookups
+    @_locked
     def refresh_param_index(self) -> None:
         """Re-read parameter identities from the live modules.
 
         ``model.to(xla_device)`` replaces Parameter objects, so identities
         taken at registration go stale; the rewrite refreshes once per graph.
         """
-        self._param_index = {
-            pid: (s.name, adapter, role) for s in self._sites.values()
-            for pid, (adapter, role) in s.param_roles().items()
-        }
-        self._base_index = {id(w): s.name for s in self._sites.values() if (w := s.base_weight()) is not None}
-        self._saved_index = {}
-        for m in self._saved.values():
-            for adapter in (None,) + m.adapters:
-                for name, tensor in m.tensors(adapter).items():
-                    self._saved_index.setdefault(id(tensor), (m.name, adapter, name))
+        self._params.refresh(self._adapters.sites.values(), self._adapters.saved.values())
 
-    def lookup(self, tensor) -> Optional[Tuple[str, str, str]]:
-        """``(site, adapter, role)`` if ``tensor`` is a registered LoRA parameter."""
-        return self._param_index.get(id(tensor))
+    lookup = _forward("_params", ParamIndex.lookup)
+    lookup_base = _forward("_params", ParamIndex.lookup_base)
+    lookup_saved = _forward("_params", ParamIndex.lookup_saved)
 
-    def lookup_base(self, tensor) -> Optional[str]:
-        """The site whose base-layer weight ``tensor`` is, if any."""
-        return self._base_index.get(id(tensor))
-
-    def lookup_saved(self, tensor) -> Optional[Tuple[str, Optional[str], str]]:
-        """``(saved module, adapter or None for the original, tensor name)`` if ``tensor`` belongs to one."""
-        return self._saved_index.get(id(tensor))
-
+    @_locked
     def saved_tensor(self, module: str, adapter: Optional[str], name: str, device) -> torch.Tensor:
         """One tensor of a saved module's variant, the live one (the model's own, on ``device``)."""
-        tensor = self._saved[module].tensors(adapter)[name]
+        tensor = self._adapters.saved[module].tensors(adapter)[name]
         return tensor if tensor.device == torch.device(device) else tensor.to(device)
 
-    def site_rank(self, site_name: str) -> int:
-        return self._host_stacks[site_name][0].shape[1]
-
-    def stacked_weights(self, site_name: str, device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    # ------------------------------------------------- device placement
+    @_locked
+    def stacked_weights(self, site_name: Site, device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The site's stacked (A, B) on ``device``, each transferred once and cached.
 
-        ``site_name`` may join several sites with "+" (sites fused on one
-        input): A is then their stacks concatenated along the rank dim, B None.
+        ``site_name`` may be a tuple of sites (sites fused on one input): A is
+        then their stacks concatenated along the rank dim, B None.
         """
-        single = GROUP_SEPARATOR not in site_name
-        return self.stacked_a(site_name, device), self.stacked_b(site_name, device) if single else None
+        fused = isinstance(site_name, tuple)
+        return self._devices.stacked_a(site_name, device), None if fused else self._devices.stacked_b(site_name, device)
 
-    def stacked_a(self, site_name: str, device, transposed: bool = False) -> torch.Tensor:
-        """The site's (or fused group's) stacked A ``[N, R, in]`` on ``device`` (``[N, in, R]`` if transposed)."""
-        return self._device_stack(site_name, "A", device, transposed)
+    stacked_a = _forward("_devices", DeviceStacks.stacked_a)
+    stacked_b = _forward("_devices", DeviceStacks.stacked_b)
+    stacked_bias = _forward("_devices", DeviceStacks.stacked_bias)
+    stacked_dora = _forward("_devices", DeviceStacks.stacked_dora)
 
-    def stacked_b(self, site_name: str, device, transposed: bool = False) -> torch.Tensor:
-        """The site's stacked B ``[N, out, R]`` on ``device`` (``[N, R, out]`` if transposed), scalings folded in."""
-        return self._device_stack(site_name, "B", device, transposed)
-
-    def _device_stack(self, site_name: str, role: str, device, transposed: bool = False) -> torch.Tensor:
-        # A and B are cached apart: a site in a fused group needs only its B on
-        # the device (its A travels inside the group's concatenated A).  The
-        # transposed copies are the row kernel's (made only if a graph uses it).
-        key = (site_name, role + ("_T" if transposed else ""), str(device))
-        with self._lock:
-            if key not in self._device_stacks:
-                names = site_name.split(GROUP_SEPARATOR)
-                if role == "B":
-                    host = self._host_stacks[site_name][1]
-                elif len(names) == 1:
-                    host = self._host_stacks[site_name][0]
-                else:
-                    host = torch.cat([self._host_stacks[n][0] for n in names], dim=1)
-                if transposed:
-                    host = host.transpose(1, 2).contiguous()
-                tensor = host.to(device)
-                if self._sharding is not None and torch.device(device).type == "xla":
-                    self._sharding.place_stacks(site_name, tensor if role == "A" else None,
-                                                tensor if role == "B" else None, transposed=transposed)
-                self._device_stacks[key] = tensor
-            return self._device_stacks[key]
-
-    def stacked_bias(self, site_name: str, device) -> torch.Tensor:
-        """The site's per-slot LoRA bias ``[N, out]`` (scaled) on ``device``."""
-        key = (site_name, "bias", str(device))
-        with self._lock:
-            if key not in self._device_stacks:
-                self._device_stacks[key] = self._host_bias[site_name].to(device)
-                if self._sharding is not None and torch.device(device).type == "xla":
-                    self._sharding.place_bias(site_name, self._device_stacks[key])
-            return self._device_stacks[key]
-
-    def stacked_dora(self, site_name: str, device) -> torch.Tensor:
-        """The site's per-slot DoRA rescaling ``[N, 2, out]`` (gain, shift; dora.py) on ``device``, replicated."""
-        key = (site_name, "dora", str(device))
-        with self._lock:
-            if key not in self._device_stacks:
-                self._device_stacks[key] = self._host_dora[site_name].to(device)
-            return self._device_stacks[key]
-
+    @_locked
     def shard(self, mesh, layout=None, *, axis: Optional[str] = None, both: bool = False):
         """Shard the stacked adapter buffers over a torch_xla SPMD ``mesh`` like their base weights.
 
-        Per site: ``column`` (base weight split on out: B split on out, A
-        replicated), ``row`` (split on in: A split on in, B replicated) or
-        ``replicated``, from ``layout`` (``{leaf module name or site: layout}``,
-        e.g. ``sharding.MEGATRON_LLAMA``, or a callable) or else read off the
-        base weight's sharding spec.  ``both=True`` also splits the stack the
-        layout leaves whole (A of a column site on its input dim, B of a row
-        site on its output dim): 1/devices of the memory, for one more
-        collective per site that the partitioner inserts.  Index buffers stay
-        replicated.  Returns
-        the ``sharding.AdapterSharding``; ``shard(None)`` turns it off.
+        Per site ``column``, ``row`` or ``replicated`` (sharding.py's table),
+        from ``layout`` (``{leaf module name or site: layout}``, e.g.
+        ``sharding.MEGATRON_LLAMA``, or a callable) or else read off the base
+        weight's sharding spec; ``both=True`` also splits the stack the layout
+        leaves whole.  Index buffers stay replicated.  Returns the
+        ``sharding.AdapterSharding``; ``shard(None)`` turns it off.
         docs/scale-out.md.
         """
         from .sharding import AdapterSharding
 
         sharding = None if mesh is None else AdapterSharding(self, mesh, layout, axis, both)
-        with self._lock:
-            self._sharding = sharding
-            self._device_stacks.clear()  # the next call transfers annotated copies
+        self._devices.set_sharding(sharding)
         return sharding
 
     @property
+    @_locked
     def sharding(self):
         """The ``AdapterSharding`` set by ``shard(mesh)``, or None."""
-        return self._sharding
+        return self._devices.sharding
 
     # --------------------------------------------------------------- mapping
+    @_locked
     def set_token_adapters(self, mapping: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
         """Set each flattened token's adapter: a name, a slot number, or None / -1 for base.
 
         Valid for calls with exactly that many tokens; replaces a request mapping.
         """
-        indices = self._to_indices(mapping, "set_token_adapters", "token")
-        if len(indices) > self.max_num_tokens:
-            raise ValueError(f"set_token_adapters: {len(indices)} tokens exceed max_num_tokens={self.max_num_tokens}")
-        with self._lock:
-            self._mapping, self._request_rows = indices, None
-            self._drop_mapping_caches()
+        self._tokens.set_tokens(mapping, self._adapters.slots)
 
+    @_locked
     def set_request_adapters(self, rows: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
         """Set each batch row's adapter (a name, a slot number, or None / -1 for base), for every later call.
 
@@ -466,307 +243,79 @@ class LoRAMetadata:
         ``rows[b]``, until the next ``set_request_adapters`` or
         ``set_token_adapters``.  A call whose batch is not ``len(rows)`` is refused.
         """
-        indices = self._to_indices(rows, "set_request_adapters", "row")
-        if not len(indices):
-            raise ValueError("set_request_adapters: give one entry per batch row, got none")
-        if len(indices) > self.max_num_tokens:
-            raise ValueError(f"set_request_adapters: {len(indices)} rows exceed max_num_tokens={self.max_num_tokens}")
-        with self._lock:
-            self._mapping, self._request_rows = None, indices
-            self._drop_mapping_caches()
-
-    def _to_indices(self, mapping, caller: str, unit: str) -> torch.Tensor:
-        if isinstance(mapping, torch.Tensor):
-            if mapping.dim() != 1 or mapping.dtype.is_floating_point or mapping.dtype == torch.bool:
-                raise TypeError(f"{caller}: expected a 1-d integer tensor, got {mapping.dtype} "
-                                f"{list(mapping.shape)}")
-            mapping = mapping.tolist()
-        elif isinstance(mapping, (str, bytes)) or not isinstance(mapping, Sequence):
-            raise TypeError(f"{caller}: expected a sequence with one entry per {unit}, got {mapping!r:.80}")
-        names = {name: slot for slot, name in enumerate(self._slots) if name is not None}
-        out = []
-        for pos, entry in enumerate(mapping):
-            if entry is None:
-                out.append(NO_LORA)
-            elif isinstance(entry, str):
-                if entry not in names:
-                    raise KeyError(f"{caller}: {unit} {pos}: unknown adapter {entry!r}; "
-                                   f"registered: {sorted(names)}")
-                out.append(names[entry])
-            elif isinstance(entry, numbers.Integral) and not isinstance(entry, bool):
-                entry = int(entry)  # numpy integers too
-                if entry != NO_LORA and not (0 <= entry < self.num_slots and self._slots[entry] is not None):
-                    raise ValueError(f"{caller}: {unit} {pos}: slot {entry} is not a loaded slot; "
-                                     f"valid: -1 and {[s for s, n in enumerate(self._slots) if n is not None]}")
-                out.append(entry)
-            else:
-                raise TypeError(f"{caller}: {unit} {pos}: expected str, int or None, got {entry!r:.80}")
-        return torch.tensor(out, dtype=torch.int32)
+        self._tokens.set_requests(rows, self._adapters.slots)
 
     @contextlib.contextmanager
     def warming_up(self):
         """Within: compiled graphs skip the mapping checks and every token is on the base model."""
-        saved = self._mapping, self._request_rows
-        self._mapping, self._request_rows, self._warming = None, None, True
-        self._drop_mapping_caches()
+        with self._lock:
+            saved = self._tokens.enter_warm_up()
         try:
             yield self
         finally:
-            (self._mapping, self._request_rows), self._warming = saved, False
-            self._drop_mapping_caches()
+            with self._lock:
+                self._tokens.exit_warm_up(saved)
 
     @property
+    @_locked
     def is_warming_up(self) -> bool:
-        return self._warming
+        return self._tokens.warming_up
 
     @property
+    @_locked
     def num_tokens(self) -> Optional[int]:
         """Length of the current token mapping (None without one, e.g. under a request mapping)."""
-        return None if self._mapping is None else int(self._mapping.numel())
+        mapping = self._tokens.mapping()
+        return None if mapping is None else int(mapping.numel())
 
     @property
+    @_locked
     def has_mapping(self) -> bool:
         """Whether a token or a request mapping is set."""
-        return self._mapping is not None or self._request_rows is not None
+        return self._tokens.has_mapping
 
-    def mapping(self) -> Optional[torch.Tensor]:
-        """The current host int32 token indices (None under a request mapping: see ``token_mapping``)."""
-        return self._mapping
+    mapping = _forward("_tokens", TokenMapping.mapping)
+    request_adapters = _forward("_tokens", TokenMapping.request_adapters)
+    mapped_slots = _forward("_tokens", TokenMapping.mapped_slots)
+    token_mapping = _forward("_tokens", TokenMapping.token_mapping)
 
-    def request_adapters(self) -> Optional[torch.Tensor]:
-        """The current host int32 slot of each batch row (None unless ``set_request_adapters`` set it)."""
-        return self._request_rows
+    # ------------------------------------------- per-step values (token_mapping.py)
+    token_indices = _forward("_tokens", TokenMapping.token_indices)
+    rows_uniform = _forward("_tokens", TokenMapping.rows_uniform)
+    row_slots = _forward("_tokens", TokenMapping.row_slots)
 
-    def mapped_slots(self) -> Optional[set]:
-        """The slots (and -1) the current mapping uses, or None without a mapping."""
-        current = self._mapping if self._mapping is not None else self._request_rows
-        return None if current is None else set(current.unique().tolist())
-
-    def token_mapping(self, real_dims: Tuple[int, ...]) -> Optional[torch.Tensor]:
-        """Host int32 indices, one per token of a call with token dims ``real_dims`` (row-major).
-
-        A request mapping is laid over the dims: row b's slot for every token
-        of row b (``real_dims[0]`` must be the number of rows).  None without
-        a mapping.  Raises ``UnsupportedMappingError`` naming both sizes when
-        the mapping does not fit this call.
-        """
-        real_dims = tuple(int(d) for d in real_dims)
-        want = math.prod(real_dims)
-        rows = self._request_rows
-        if rows is not None:
-            if not real_dims or real_dims[0] != rows.numel():
-                raise UnsupportedMappingError(
-                    f"the request mapping has {rows.numel()} rows but this call has a batch of "
-                    f"{real_dims[0] if real_dims else 0} (token dims {list(real_dims)}); call "
-                    "set_request_adapters with one entry per batch row")
-            return rows.repeat_interleave(want // rows.numel()) if want else rows[:0]
-        mapping = self._mapping
-        if mapping is not None and mapping.numel() != want:
-            raise UnsupportedMappingError(
-                f"the token mapping has {mapping.numel()} entries but this call has {want} tokens "
-                f"(token dims {list(real_dims)}); set one entry per flattened token, or one per batch row "
-                "with set_request_adapters")
-        return mapping
-
-    def token_indices(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]) -> torch.Tensor:
-        """Device int32 indices ``[max_num_tokens]`` laid out for ``padded_dims``.
-
-        The mapping is row-major over ``real_dims``; padded positions and the
-        tail past the bucket get -1, so padding can never pick up an adapter.
-        """
-        key = (str(device), tuple(real_dims), tuple(padded_dims))
-        with self._lock:
-            cached = self._index_cache.get(key)
-            if cached is None:
-                host = torch.full((self.max_num_tokens,), NO_LORA, dtype=torch.int32)
-                grid = self._padded_grid(real_dims, padded_dims)
-                host[: grid.numel()] = grid
-                cached = self._index_cache[key] = host.to(device)
-            return cached
-
-    def _padded_grid(self, real_dims, padded_dims) -> torch.Tensor:
-        """Host int32 indices of the padded bucket, flattened: the mapping, -1 on padding."""
-        mapping = self.token_mapping(real_dims)
-        if mapping is None:
-            mapping = torch.full((math.prod(real_dims),), NO_LORA, dtype=torch.int32)
-        grid = torch.full(tuple(padded_dims), NO_LORA, dtype=torch.int32)
-        grid[tuple(slice(0, d) for d in real_dims)] = mapping.reshape(tuple(real_dims))
-        return grid.reshape(-1)
-
-    def _drop_mapping_caches(self) -> None:
-        """Everything derived from the mapping (or the slots) goes when it changes."""
-        self._index_cache.clear()
-        self._uniform_cache.clear()
-        self._segment_cache.clear()
-
-    def rows_uniform(self, real_dims: Tuple[int, ...]) -> bool:
-        """Whether the mapping is constant along each row (the innermost dim) of ``real_dims``.
-
-        True for one adapter per request, the row kernel's case; False for a
-        mapping that mixes adapters within a row (then the masked kernel
-        runs).  Computed once per mapping and token dims.
-        """
-        key = tuple(real_dims)
-        with self._lock:
-            cached = self._uniform_cache.get(key)
-            if cached is None:
-                mapping = self._mapping
-                if self._request_rows is not None:
-                    cached = True  # one adapter per request: every row is uniform
-                elif mapping is None or len(real_dims) < 2 or mapping.numel() != math.prod(real_dims):
-                    cached = mapping is None  # every token on the base model is uniform
-                else:
-                    grid = mapping.reshape(-1, real_dims[-1])
-                    cached = bool((grid == grid[:, :1]).all())
-                self._uniform_cache[key] = cached
-            return cached
-
-    def row_slots(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...], *,
-                  pooled: bool = False) -> torch.Tensor:
-        """Device int32 ``[max_num_tokens]``: the slot of each row of the padded grid, -1 past the real rows.
-
-        Refused unless :meth:`rows_uniform`: a row kernel fed a mixed row
-        would give the whole row its first token's adapter, and so would a
-        saved head that pools each row to one output (``pooled``, named in the
-        error).  The graph narrows it to the bucket's row count.
-        """
-        if not (self._warming or self.rows_uniform(real_dims)):
-            if pooled:
-                raise UnsupportedMappingError(
-                    f"the mapping gives tokens of one row (token dims {list(real_dims)}) different adapters, but "
-                    "this graph has a saved module (PEFT modules_to_save) that pools each row to one output, so a "
-                    "row can only have one adapter; give every token of a row the same adapter")
-            raise UnsupportedMappingError(
-                f"the mapping gives tokens of one row (token dims {list(real_dims)}) different adapters: a graph "
-                "rewritten with the row kernel cannot run it (the backend switches to the masked kernel; "
-                "rewrite(..., kernel='masked') does the same for a graph rewritten by hand)")
-        key = ("row_slots", str(device), tuple(real_dims), tuple(padded_dims))
-        with self._lock:
-            cached = self._index_cache.get(key)
-            if cached is None:
-                rows = self._padded_grid(real_dims, padded_dims).reshape(-1, padded_dims[-1])[:, 0]
-                host = torch.full((self.max_num_tokens,), NO_LORA, dtype=torch.int32)
-                host[: rows.numel()] = rows
-                cached = self._index_cache[key] = host.to(device)
-            return cached
-
+    @_locked
     def block_layout(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]):
-        """The blocked kernel's layout for this step (row_token, block_slot, token_row) on ``device``.
+        """The blocked kernel's layout for this step (row_token, block_slot, token_row) on ``device``."""
+        return self._tokens.block_layout(device, real_dims, padded_dims, len(self._adapters.slots))
 
-        Built once per mapping and bucket on the host (a few numpy ops on T
-        ints) and shared by every LoRA layer of every call until the mapping
-        changes; buffers sized for ``max_num_tokens`` so their shapes never
-        change (the graph narrows them).
-        """
-        key = ("blocks", str(device), tuple(real_dims), tuple(padded_dims))
-        with self._lock:
-            cached = self._index_cache.get(key)
-            if cached is None:
-                layout = padded_layout(self._padded_grid(real_dims, padded_dims), self.num_slots,
-                                       self.max_num_tokens)
-                cached = self._index_cache[key] = tuple(t.to(device) for t in layout)
-            return cached
-
-    def _host_segment_layout(self, real_dims, padded_dims, block_tokens: int,
-                             slots_per_block: int) -> Optional[SegmentLayout]:
-        """The segment layout of the padded bucket on the host, or None when a block needs more passes.
-
-        Called with the lock held; built once per mapping, bucket and block shape.
-        """
-        key = (tuple(real_dims), tuple(padded_dims), block_tokens, slots_per_block)
-        if key not in self._segment_cache:
-            self._segment_cache[key] = build_segment_layout(self._padded_grid(real_dims, padded_dims),
-                                                            block_tokens, slots_per_block)
-        return self._segment_cache[key]
-
-    def segments_fit(self, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...], block_tokens: int,
-                     slots_per_block: int) -> bool:
-        """Whether the segment kernel can run this mapping: no block of ``block_tokens`` consecutive
-        (padded) tokens uses more than ``slots_per_block`` slots.  True for requests packed as
-        contiguous segments of at least ``block_tokens`` tokens each (with 2 passes per block)."""
-        with self._lock:
-            return self._host_segment_layout(real_dims, padded_dims, block_tokens, slots_per_block) is not None
-
-    def segment_layout(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...], block_tokens: int,
-                       slots_per_block: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The segment kernel's (block_slots, pick) for this step on ``device`` (ops_segments.py).
-
-        Built once per mapping and bucket on the host and shared by every LoRA
-        layer; buffers sized for ``max_num_tokens`` (``[ceil(max_num_tokens /
-        block_tokens), slots_per_block]`` and ``[max_num_tokens]``), so their
-        shapes never change (the graph narrows them).  Refused when the mapping
-        does not fit (:meth:`segments_fit`): the kernel would give a token
-        another token's adapter.
-        """
-        key = ("segments", str(device), tuple(real_dims), tuple(padded_dims), block_tokens, slots_per_block)
-        with self._lock:
-            cached = self._index_cache.get(key)
-            if cached is None:
-                layout = self._host_segment_layout(real_dims, padded_dims, block_tokens, slots_per_block)
-                if layout is None:
-                    raise UnsupportedMappingError(
-                        f"the mapping uses more than {slots_per_block} adapters in some block of {block_tokens} "
-                        f"consecutive tokens (token dims {list(real_dims)}): a graph rewritten with the segment "
-                        "kernel cannot run it (the backend switches to the masked kernel; rewrite(..., "
-                        "kernel='masked') does the same for a graph rewritten by hand)")
-                block_slots = torch.zeros(-(-self.max_num_tokens // block_tokens), slots_per_block, dtype=torch.int32)
-                block_slots[: layout.block_slots.shape[0]] = layout.block_slots
-                pick = torch.full((self.max_num_tokens,), NO_LORA, dtype=torch.int32)
-                pick[: layout.pick.numel()] = layout.pick
-                cached = self._index_cache[key] = (block_slots.to(device), pick.to(device))
-            return cached
+    segments_fit = _forward("_tokens", TokenMapping.segments_fit)
+    segment_layout = _forward("_tokens", TokenMapping.segment_layout)
 
     # ------------------------------------------------------------------ stats
     @property
+    @_locked
     def stats(self) -> Mapping:
-        """Counters: compiles, rewrites, bucket_hits, fallbacks, padded_token_fraction."""
-        with self._lock:  # a snapshot: the nested counters are copied, not shared
-            out = {k: dict(v) if isinstance(v, dict) else v for k, v in self._stats.items()}
-        total = out["padded_tokens"] + out["real_tokens"]
-        out["padded_token_fraction"] = out["padded_tokens"] / total if total else 0.0
-        return types.MappingProxyType(out)
+        """Counters: compiles, rewrites, bucket_hits, fallbacks, padded_token_fraction (a snapshot)."""
+        return self._stats.snapshot()
 
-    def _count(self, key: str, sub=None, n: int = 1) -> None:
-        with self._lock:
-            if sub is None:
-                self._stats[key] += n
-            else:
-                self._stats[key][sub] = self._stats[key].get(sub, 0) + n
+    count = _forward("_stats", Stats.count)
 
+    # ------------------------------------------------ for tests and the dump
+    @_locked
+    def host_stacks(self, site_name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The site's host (A, scaled B) stacks themselves, not copies: read, do not write."""
+        return self._adapters.host_a(site_name), self._adapters.host_b(site_name)
 
-def _scaling_for(name: str, site: SiteSpec, rank: int, scaling: Optional[float], config) -> float:
-    if scaling is not None:
-        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
-            raise TypeError(f"load_adapter({name!r}): scaling must be a real number, got {scaling!r:.80}")
-        if not math.isfinite(scaling):
-            raise ValueError(f"load_adapter({name!r}): scaling must be finite, got {scaling}")
-        return float(scaling)
-    if hasattr(config, "scaling_for"):  # a saved adapter's config: per-site alpha (alpha_pattern), rsLoRA
-        return config.scaling_for(site.name, rank)
-    if config is not None:
-        alpha = config.lora_alpha
-        return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
-    own = site.format.default_scaling(site, rank) if site.format is not None else None
-    if own is not None:
-        return float(own)  # the layer's own formula (torchtune, loralib), or its scaling at its own rank
-    raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config= (site {site.name!r} "
-                     f"has no scaling of its own for rank {rank})")
+    @_locked
+    def device_copies(self) -> Mapping[Tuple[Site, str, str], torch.Tensor]:
+        """The device stacks made so far, by (site, role, device)."""
+        return self._devices.copies()
+
+    @_locked
+    def step_tensors(self, device) -> List[torch.Tensor]:
+        """The buffers on ``device`` built from the current mapping so far (token indices, row slots, layouts)."""
+        return [t for t in self._tokens.cache.tensors() if t.device == torch.device(device)]
 
 
-def _host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A and scaling * B as host tensors of the stack dtype; refused if any value is not finite.
-
-    Why refuse: the fused expand multiplies every slot's B by zeros for the
-    tokens on other slots, and 0 * inf is NaN, so one bad slot would reach
-    every token of the batch, not only its own.
-    """
-    with torch.no_grad():
-        lora_a = w.lora_a.detach().to("cpu", dtype)
-        # Folding the scaling into B lets every adapter keep its own alpha/r.
-        scaled_b = (w.lora_b.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
-    for what, t in (("lora_A", lora_a), (f"lora_B * scaling ({w.scaling})", scaled_b)):
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:
-            raise ValueError(f"{where}: {what} has {bad} NaN or inf value(s) (as {dtype}); adapter weights "
-                             "must be finite")
-    return lora_a, scaled_b
+__all__ = ["LoRAMetadata", "NO_LORA", "TokenAdapter"]

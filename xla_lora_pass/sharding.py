@@ -38,8 +38,6 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from graph_rewrites import GROUP_SEPARATOR
-
 log = logging.getLogger(__name__)
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
@@ -186,11 +184,10 @@ class AdapterSharding:
             range(len(self.mesh.mesh_shape)))
 
     # --------------------------------------------------------- annotations
-    def partition_specs(self, site_name: str) -> Tuple[tuple, Optional[tuple]]:
-        """Partition specs of the site's stacked (A, B); B None for a fused group (no B)."""
-        names = site_name.split(GROUP_SEPARATOR)
-        if len(names) > 1:
-            split = all(self._splits_a(self.layout(n)) for n in names)
+    def partition_specs(self, site_name: Union[str, Tuple[str, ...]]) -> Tuple[tuple, Optional[tuple]]:
+        """Partition specs of the site's stacked (A, B); B None for a fused group (a tuple of sites; no B)."""
+        if isinstance(site_name, tuple):
+            split = all(self._splits_a(self.layout(n)) for n in site_name)
             return (None, None, self.axis if split else None), None
         layout = self.layout(site_name)
         a = (None, None, self.axis) if self._splits_a(layout) else (None, None, None)
@@ -206,8 +203,8 @@ class AdapterSharding:
     def bias_spec(self, site_name: str) -> tuple:
         return (None, self.axis) if self._splits_b(self.layout(site_name)) else (None, None)
 
-    def place_stacks(self, site_name: str, stack_a: Optional[torch.Tensor], stack_b: Optional[torch.Tensor],
-                     transposed: bool = False) -> None:
+    def place_stacks(self, site_name: Union[str, Tuple[str, ...]], stack_a: Optional[torch.Tensor],
+                     stack_b: Optional[torch.Tensor], transposed: bool = False) -> None:
         """Annotate a site's fresh device stacks (in place; the tensors keep their identity).
 
         ``transposed``: the row kernel's copies, last two dims swapped, so their specs are too.

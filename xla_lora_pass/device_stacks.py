@@ -1,0 +1,95 @@
+"""Device copies of the host stacks, each transferred once, and their SPMD placement (``shard``).
+
+A fresh transfer after every change rather than an in-place device write:
+an in-place update of an XLA tensor is one more lazy op, i.e. one more XLA
+program to compile.  A site is one name, or a tuple of names for sites fused
+on one input (graph_rewrites/fuse_shared_shrink.py): their A stacks
+concatenated along the rank dim.
+
+Not locked itself: ``LoRAMetadata`` holds its lock around every call.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple, Union
+
+import torch
+
+from .adapter_stacks import AdapterStacks
+
+Site = Union[str, Tuple[str, ...]]  # one site, or the sites fused on one input
+
+
+class DeviceStacks:
+    """Per (site, role, device): the device copy of a host stack, annotated for SPMD after ``shard``."""
+
+    def __init__(self, stacks: AdapterStacks):
+        self._stacks = stacks
+        self._copies: Dict[Tuple[Site, str, str], torch.Tensor] = {}
+        self.sharding = None  # sharding.AdapterSharding after shard(mesh)
+
+    def forget(self) -> None:
+        """Drop every device copy (the host stacks or the placement changed); the next call transfers anew."""
+        self._copies.clear()
+
+    def set_sharding(self, sharding) -> None:
+        self.sharding = sharding
+        self.forget()  # the next call transfers annotated copies
+
+    def sites_changed(self) -> None:
+        """After ``register_adapters``: the sites may be new, so cached layouts go too."""
+        self.forget()
+        if self.sharding is not None:
+            self.sharding.forget()
+
+    def copies(self) -> Dict[Tuple[Site, str, str], torch.Tensor]:
+        """The device copies made so far, by (site, role, device) (e.g. to check their placement)."""
+        return dict(self._copies)
+
+    def _annotated(self, tensor: torch.Tensor, place) -> torch.Tensor:
+        if self.sharding is not None and tensor.device.type == "xla":
+            place(self.sharding)
+        return tensor
+
+    def _cached(self, key, build) -> torch.Tensor:
+        if key not in self._copies:
+            self._copies[key] = build()
+        return self._copies[key]
+
+    def stacked_a(self, site: Site, device, transposed: bool = False) -> torch.Tensor:
+        """The site's (or fused group's) stacked A ``[N, R, in]`` on ``device`` (``[N, in, R]`` if transposed)."""
+        # A and B are cached apart: a site in a fused group needs only its B on the device (its
+        # A travels inside the group's concatenated A).  The transposed copies are the row
+        # kernel's (made only if a graph uses them).
+        def build():
+            if isinstance(site, tuple):
+                host = torch.cat([self._stacks.host_a(n) for n in site], dim=1)
+            else:
+                host = self._stacks.host_a(site)
+            tensor = _to_device(host, device, transposed)
+            return self._annotated(tensor, lambda s: s.place_stacks(site, tensor, None, transposed=transposed))
+        return self._cached((site, "A_T" if transposed else "A", str(device)), build)
+
+    def stacked_b(self, site: str, device, transposed: bool = False) -> torch.Tensor:
+        """The site's stacked B ``[N, out, R]`` on ``device`` (``[N, R, out]`` if transposed), scalings folded in."""
+        def build():
+            tensor = _to_device(self._stacks.host_b(site), device, transposed)
+            return self._annotated(tensor, lambda s: s.place_stacks(site, None, tensor, transposed=transposed))
+        return self._cached((site, "B_T" if transposed else "B", str(device)), build)
+
+    def stacked_bias(self, site: str, device) -> torch.Tensor:
+        """The site's per-slot LoRA bias ``[N, out]`` (scaled) on ``device``."""
+        def build():
+            tensor = self._stacks.host_bias(site).to(device)
+            return self._annotated(tensor, lambda s: s.place_bias(site, tensor))
+        return self._cached((site, "bias", str(device)), build)
+
+    def stacked_dora(self, site: str, device) -> torch.Tensor:
+        """The site's per-slot DoRA rescaling ``[N, 2, out]`` (gain, shift; dora.py) on ``device``, replicated."""
+        return self._cached((site, "dora", str(device)), lambda: self._stacks.host_dora(site).to(device))
+
+
+def _to_device(host: torch.Tensor, device, transposed: bool) -> torch.Tensor:
+    return (host.transpose(1, 2).contiguous() if transposed else host).to(device)
+
+
+__all__ = ["DeviceStacks", "Site"]
