@@ -4,7 +4,8 @@ import threading
 import pytest
 import torch
 
-from xla_lora_pass.adapter_pool import AdapterSource, SlotCapacityError, plan_slots
+from xla_lora_pass.adapter_pool import SlotCapacityError, plan_slots
+from xla_lora_pass.adapter_source import AdapterSource
 from xla_lora_pass.errors import UnsupportedMappingError
 
 
@@ -46,78 +47,87 @@ def test_a_repeated_name_needs_one_slot():
     assert plan.loads == (("x", 0), ("y", 1))
 
 
-def _save_state(path, scale=1.0):
-    from safetensors.torch import save_file
+def _save_dir(path, scale=1.0):
     import json
+
+    from safetensors.torch import save_file
 
     path.mkdir()
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 8, "r": 4}))
-    save_file({"base_model.model.q.lora_A.weight": torch.full((4, 8), scale),
-               "base_model.model.q.lora_B.weight": torch.full((8, 4), scale)},
-              str(path / "adapter_model.safetensors"))
+    save_file({"q.lora_A.weight": torch.full((4, 8), scale)}, str(path / "adapter_model.safetensors"))
 
 
-def test_source_reads_a_directory_once_while_cached(tmp_path, monkeypatch):
-    import xla_lora_pass.adapter_pool as pool
+class _Reads:
+    """A validate function for AdapterSource that records which thread read which directory."""
 
-    _save_state(tmp_path / "a")
-    reads = []
-    real = pool.read_adapter_dir
-    monkeypatch.setattr(pool, "read_adapter_dir", lambda where, p: reads.append(p) or real(where, p))
-    source = AdapterSource(host_cache=1)
-    source.add("a", tmp_path / "a")
-    state, config, scaling = source.read("a")
-    source.read("a")
-    assert len(reads) == 1
-    assert config.lora_alpha == 8 and scaling is None
-    assert torch.equal(state["base_model.model.q.lora_A.weight"], torch.ones(4, 8))
+    def __init__(self, wait=None):
+        self.calls, self.wait = [], wait
+
+    def __call__(self, name, path, scaling, config):
+        from xla_lora_pass.adapter_stacks import LoadedAdapter
+        from xla_lora_pass.formats.peft_dir import read_adapter_dir
+
+        self.calls.append((name, threading.current_thread().name))
+        if self.wait is not None:
+            self.wait()
+        state, _ = read_adapter_dir(name, path)
+        return LoadedAdapter(name, {"q": (state["q.lora_A.weight"], state["q.lora_A.weight"].T)}, {})
 
 
-def test_source_host_cache_keeps_only_the_most_recent_reads(tmp_path, monkeypatch):
-    import xla_lora_pass.adapter_pool as pool
+def test_source_reads_a_directory_once_while_cached(tmp_path):
+    _save_dir(tmp_path / "a")
+    reads = _Reads()
+    source = AdapterSource(reads, host_cache=1)
+    source.add_dir("a", tmp_path / "a")
+    loaded = source.get("a")
+    assert source.get("a") is loaded
+    assert [n for n, _ in reads.calls] == ["a"]
+    assert torch.equal(loaded.weights["q"][0], torch.ones(4, 8))
 
+
+def test_source_host_cache_keeps_only_the_most_recent_reads(tmp_path):
     for n in "abc":
-        _save_state(tmp_path / n)
-    reads = []
-    real = pool.read_adapter_dir
-    monkeypatch.setattr(pool, "read_adapter_dir", lambda where, p: reads.append(str(p)[-1]) or real(where, p))
-    source = AdapterSource(host_cache=2)
+        _save_dir(tmp_path / n)
+    reads = _Reads()
+    source = AdapterSource(reads, host_cache=2)
     for n in "abc":
-        source.add(n, tmp_path / n)
+        source.add_dir(n, tmp_path / n)
     for n in "abca":
-        source.read(n)
-    assert reads == ["a", "b", "c", "a"]  # a fell out when c was read
+        source.get(n)
+    assert [n for n, _ in reads.calls] == ["a", "b", "c", "a"]  # a fell out when c was read
 
 
-def test_prefetch_reads_on_another_thread_and_read_waits_for_it(tmp_path, monkeypatch):
-    import xla_lora_pass.adapter_pool as pool
+def test_kept_copies_are_returned_as_they_are_and_replace_a_directory(tmp_path):
+    from xla_lora_pass.adapter_stacks import LoadedAdapter
 
-    _save_state(tmp_path / "a", scale=2.0)
-    started, release, threads = threading.Event(), threading.Event(), []
-    real = pool.read_adapter_dir
+    _save_dir(tmp_path / "a")
+    reads = _Reads()
+    source = AdapterSource(reads)
+    source.add_dir("a", tmp_path / "a")
+    kept = LoadedAdapter("a", {}, {})
+    source.keep(kept)
+    assert source.get("a") is kept and reads.calls == []
+    source.forget_copies()
+    assert "a" not in source
 
-    def slow_read(where, p):
-        threads.append(threading.current_thread().name)
-        started.set()
-        release.wait(10)
-        return real(where, p)
 
-    monkeypatch.setattr(pool, "read_adapter_dir", slow_read)
-    source = AdapterSource()
-    source.add("a", tmp_path / "a")
+def test_prefetch_reads_on_another_thread_and_get_waits_for_it(tmp_path):
+    _save_dir(tmp_path / "a", scale=2.0)
+    started, release = threading.Event(), threading.Event()
+    reads = _Reads(wait=lambda: (started.set(), release.wait(10)))
+    source = AdapterSource(reads)
+    source.add_dir("a", tmp_path / "a")
     source.prefetch(["a", "unknown"])
     assert started.wait(10)
     release.set()
-    state, _, _ = source.read("a")
-    assert threads == [threads[0]] and threads[0].startswith("xla-lora-prefetch")
-    assert torch.equal(state["base_model.model.q.lora_B.weight"], torch.full((8, 4), 2.0))
+    loaded = source.get("a")
+    assert len(reads.calls) == 1 and reads.calls[0][1].startswith("xla-lora-prefetch")
+    assert torch.equal(loaded.weights["q"][0], torch.full((4, 8), 2.0))
 
 
 def test_source_refuses_what_it_cannot_read(tmp_path):
-    source = AdapterSource()
+    source = AdapterSource(_Reads())
     with pytest.raises(FileNotFoundError, match="not a directory"):
-        source.add("a", tmp_path / "missing")
-    with pytest.raises(TypeError, match="directory or a state dict"):
-        source.add("a", 3)
+        source.add_dir("a", tmp_path / "missing")
     with pytest.raises(KeyError, match="unknown adapter 'b'"):
-        source.read("b")
+        source.get("b")

@@ -8,26 +8,23 @@ a free one, else the least recently used adapter the mapping does not need and
 nobody pinned (S-LoRA's and LoRAX's policy).  A mapping that needs more
 adapters than there are slots is refused before anything changes.
 
-Reading a directory is the slow part of a swap (file I/O and safetensors
-parsing); ``AdapterSource.prefetch`` reads the next mapping's adapters on a
-background thread into a small host cache, so the serving thread only copies
-the weights into the stacks.
+A swap writes one slot of the host stacks and of each device copy in place
+(``DeviceStacks.write_slot``): its cost is one adapter's bytes, whatever
+the number of slots, and it never recompiles a graph (stacks are graph
+inputs).  ``AdapterSource.prefetch`` reads the next mapping's directories on
+a background thread.
 """
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import os
-import threading
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Set, Tuple
 
-import torch
-
+from .adapter_source import AdapterSource
+from .adapter_stacks import AdapterStacks, LoadedAdapter
+from .device_stacks import DeviceStacks
 from .errors import UnsupportedMappingError
-from .formats.peft_dir import read_adapter_dir
-
-AdapterData = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
+from .stats import Stats
 
 
 class SlotCapacityError(UnsupportedMappingError):
@@ -76,110 +73,115 @@ def plan_slots(slots: Sequence[Optional[str]], wanted: Iterable[str], *, pinned:
     return SlotPlan(tuple(loads), tuple(evictions), hits=len(wanted) - len(missing))
 
 
-@dataclasses.dataclass(frozen=True)
-class SourcedAdapter:
-    """One adapter the source knows: its data (a directory or a state dict) and how to scale it."""
+class AdapterPool:
+    """Slots as a cache over an ``AdapterSource``: loads, LRU evictions, pins; the device written per slot.
 
-    data: AdapterData
-    scaling: Optional[float] = None
-    config: Any = None
-
-
-class AdapterSource:
-    """Adapters known by name, kept on the host or on disk until a slot needs them.
-
-    ``read(name)`` returns ``(state, config, scaling)`` for ``load_adapter``;
-    a directory is read at most once while it stays in the host cache of the
-    ``host_cache`` most recently read adapters (prefetched ones included).
-    Thread safe: ``prefetch`` reads on one background thread.
+    Not locked itself: ``LoRAMetadata`` holds its lock around every call.
     """
 
-    def __init__(self, host_cache: int = 16):
-        if host_cache < 0:
-            raise ValueError(f"host_cache must be >= 0, got {host_cache}")
-        self._adapters: Dict[str, SourcedAdapter] = {}
-        self._read: "collections.OrderedDict[str, Tuple[Mapping[str, torch.Tensor], Any]]" = \
-            collections.OrderedDict()
-        self._pending: Dict[str, concurrent.futures.Future] = {}
-        self._host_cache = host_cache
-        self._lock = threading.Lock()
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+    def __init__(self, stacks: AdapterStacks, devices: DeviceStacks, stats: Stats, host_cache: int = 16):
+        self._stacks, self._devices, self._stats = stacks, devices, stats
+        self.source = AdapterSource(
+            lambda name, path, scaling, config: stacks.validate(name, path, scaling=scaling, config=config),
+            host_cache)
+        self.pinned: Set[str] = set()
+        self._last_used: Dict[str, int] = {}
+        self._clock = 0
 
-    def add(self, name: str, data: AdapterData, *, scaling: Optional[float] = None, config=None) -> None:
-        """Know ``name``: a PEFT adapter directory or a state dict (kept by reference, not copied)."""
+    def add(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> None:
+        """Know ``name``: a directory, read when needed, or a state dict, checked now and kept on the host."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"add_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
-        if isinstance(data, (str, os.PathLike)):
-            if not os.path.isdir(data):
-                raise FileNotFoundError(f"add_adapter({name!r}): {os.fspath(data)!r} is not a directory; give a "
-                                        "directory written by PEFT's save_pretrained, or a state dict")
-        elif not isinstance(data, Mapping):
-            raise TypeError(f"add_adapter({name!r}): expected a PEFT adapter directory or a state dict, got "
-                            f"{type(data).__name__}")
-        with self._lock:
-            self._adapters[name] = SourcedAdapter(data, scaling, config)
-            self._read.pop(name, None)  # a new definition: forget what was read for the old one
+        if isinstance(state, (str, os.PathLike)):
+            self.source.add_dir(name, state, scaling=scaling, config=config)
+        else:
+            self.source.keep(self._stacks.validate(name, state, scaling=scaling, config=config))
 
-    def remove(self, name: str) -> None:
-        with self._lock:
-            self._adapters.pop(name, None)
-            self._read.pop(name, None)
-
-    def __contains__(self, name) -> bool:
-        with self._lock:
-            return name in self._adapters
-
-    def names(self) -> List[str]:
-        with self._lock:
-            return list(self._adapters)
-
-    def read(self, name: str) -> Tuple[Mapping[str, torch.Tensor], Any, Optional[float]]:
-        """``(state, config, scaling)`` of ``name``, from the host cache, a prefetch, or the disk now."""
-        with self._lock:
-            if name not in self._adapters:
-                raise KeyError(f"unknown adapter {name!r}: neither in a slot nor added with add_adapter")
-            entry = self._adapters[name]
-            pending = self._pending.get(name)
-        if not isinstance(entry.data, (str, os.PathLike)):
-            return entry.data, entry.config, entry.scaling
-        if pending is not None:
-            pending.result()  # a prefetch is reading it: wait for that read rather than read again
-        with self._lock:
-            cached = self._read.get(name)
-            if cached is not None:
-                self._read.move_to_end(name)
-        if cached is None:
-            cached = self._read_now(name, entry)
-        state, saved_config = cached
-        return state, entry.config if entry.config is not None else saved_config, entry.scaling
+    def remember(self, name: str, state, loaded: LoadedAdapter, *, scaling: Optional[float] = None,
+                 config=None) -> None:
+        """After ``load_adapter``: its directory, or else the validated host copy, stays known by name."""
+        if isinstance(state, (str, os.PathLike)):
+            self.source.add_dir(name, state, scaling=scaling, config=config)
+        else:
+            self.source.keep(loaded)
 
     def prefetch(self, names: Iterable[str]) -> None:
-        """Start reading the directories of ``names`` on a background thread (unknown names are skipped)."""
-        with self._lock:
-            todo = [n for n in dict.fromkeys(names) if n in self._adapters and n not in self._read
-                    and n not in self._pending and isinstance(self._adapters[n].data, (str, os.PathLike))]
-            if not todo:
-                return
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xla-lora-prefetch")
-            for name in todo:
-                self._pending[name] = self._executor.submit(self._prefetch_one, name, self._adapters[name])
+        """Read the directories of ``names`` on a background thread, before a mapping needs them."""
+        self.source.prefetch(names)
 
-    def _prefetch_one(self, name: str, entry: SourcedAdapter) -> None:
-        try:
-            self._read_now(name, entry)
-        except Exception:  # noqa: BLE001  the serving thread's own read raises it where it can be handled
-            pass
-        finally:
-            with self._lock:
-                self._pending.pop(name, None)
+    def sites_changed(self) -> None:
+        """After ``register_adapters``: host copies checked against the old sites go, directories stay."""
+        self.source.forget_copies()
+        self.pinned.clear()
+        self._last_used.clear()
 
-    def _read_now(self, name: str, entry: SourcedAdapter):
-        cached = read_adapter_dir(f"load_adapter({name!r})", entry.data)
-        with self._lock:
-            if self._adapters.get(name) is entry and self._host_cache:
-                self._read[name] = cached
-                self._read.move_to_end(name)
-                while len(self._read) > self._host_cache:
-                    self._read.popitem(last=False)
-        return cached
+    def fixed(self) -> Set[str]:
+        """Adapters that never leave their slot: pinned ones, and those with PEFT modules_to_save copies
+        (a compiled graph picks a saved module's copy by slot number)."""
+        return self.pinned | {a for m in self._stacks.saved.values() for a in m.adapters}
+
+    def touch(self, names: Iterable[str]) -> None:
+        """``names`` were just used by a mapping: the least recently used go first."""
+        self._clock += 1
+        for name in names:
+            self._last_used[name] = self._clock
+
+    def ensure(self, wanted: Sequence[str], caller: str) -> None:
+        """Every adapter of ``wanted`` the source knows in a slot, loading and evicting as needed.
+
+        Names neither resident nor known are left for the mapping's own check
+        to refuse.  All reads and checks happen before the first slot changes.
+        """
+        slots = self._stacks.slots
+        known = [n for n in dict.fromkeys(wanted) if n in slots or n in self.source]
+        plan = plan_slots(slots, known, pinned=self.fixed(), last_used=self._last_used, caller=caller)
+        loaded = [(self.source.get(name), slot) for name, slot in plan.loads]
+        for adapter, slot in loaded:
+            self._write(adapter, slot)
+        self._stats.count("slot_hits", n=plan.hits)
+        self.touch(known)
+
+    def load(self, loaded: LoadedAdapter, protected: Iterable[str]) -> int:
+        """Write a validated adapter into its slot, a free one, or the least recently used one not in
+        ``protected`` (the current mapping's adapters); return the slot."""
+        slot = self._stacks.free_slot(loaded.name)
+        if slot is None:
+            plan = plan_slots(self._stacks.slots, [loaded.name], pinned=self.fixed() | set(protected),
+                              last_used=self._last_used, caller=f"load_adapter({loaded.name!r})")
+            slot = plan.loads[0][1]
+        self._write(loaded, slot)
+        self.touch([loaded.name])
+        return slot
+
+    def unload(self, name: str, protected: Iterable[str]) -> int:
+        """Free ``name``'s slot (it stays known by name, to come back on demand); return the slot."""
+        if name not in self._stacks.slots:
+            raise KeyError(f"unload_adapter({name!r}): not in a slot; slots: {self._stacks.slots}")
+        if name in set(protected):
+            raise ValueError(f"unload_adapter({name!r}): the current mapping uses it; set a mapping without it first")
+        saved = sorted(m.name for m in self._stacks.saved.values() if name in m.adapters)
+        if saved:
+            raise ValueError(f"unload_adapter({name!r}): it has PEFT modules_to_save copies ({saved}), which compiled "
+                             "graphs pick by slot number, so it stays in its slot")
+        slot = self._stacks.slots.index(name)
+        self._keep_if_unknown(slot)
+        self._stacks.clear(slot)
+        self._devices.write_slot(slot)
+        self.pinned.discard(name)
+        return slot
+
+    def _write(self, loaded: LoadedAdapter, slot: int) -> None:
+        previous = self._stacks.slots[slot]
+        if previous is not None and previous != loaded.name:
+            self._keep_if_unknown(slot)
+            self._stats.count("evictions")
+        self._stacks.write(loaded, slot)
+        self._stats.count("loads")
+        self._devices.write_slot(slot)
+
+    def _keep_if_unknown(self, slot: int) -> None:
+        """An adapter leaving its slot that the source cannot give back (one registered from the model)
+        is kept as a host copy of its rows, so it can come back exactly."""
+        name = self._stacks.slots[slot]
+        if name not in self.source:
+            self.source.keep(self._stacks.snapshot(slot))

@@ -31,6 +31,7 @@ class LoadedAdapter(NamedTuple):
     name: str
     weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # site -> (A, scaling * B) in the stack dtype
     dora: Dict[str, torch.Tensor]  # site -> [2, out] DoRA rows
+    bias: Dict[str, torch.Tensor] = {}  # site -> [out] scaled LoRA bias (a slot's snapshot; loads bring none)
 
 
 class AdapterStacks:
@@ -148,14 +149,18 @@ class AdapterStacks:
                 loaded.dora[site_name] = dora_rows(where, site, weights)
         return loaded
 
-    def write(self, loaded: LoadedAdapter) -> int:
-        """Write a validated adapter into its slot (or the first free one); return the slot."""
-        name = loaded.name
+    def free_slot(self, name: str) -> Optional[int]:
+        """The slot ``name`` would be written to without evicting anything: its own, else the first free one."""
         if name in self.slots:
-            slot = self.slots.index(name)
-        elif None in self.slots:
-            slot = self.slots.index(None)
-        else:
+            return self.slots.index(name)
+        return self.slots.index(None) if None in self.slots else None
+
+    def write(self, loaded: LoadedAdapter, slot: Optional[int] = None) -> int:
+        """Write a validated adapter into ``slot`` (default: its own or the first free one); return the slot."""
+        name = loaded.name
+        if slot is None:
+            slot = self.free_slot(name)
+        if slot is None:
             raise ValueError(f"load_adapter({name!r}): all {len(self.slots)} slots are taken by {self.slots}; "
                              "create the metadata with a larger max_slots")
         self.slots[slot] = name
@@ -165,11 +170,27 @@ class AdapterStacks:
             else:
                 stack_a[slot].zero_()
                 self._b[site_name][slot].zero_()
-        for bias in self._bias.values():
-            bias[slot].zero_()  # a loaded adapter brings no LoRA bias
+        for site_name, bias in self._bias.items():
+            bias[slot] = loaded.bias.get(site_name, 0.0)  # zeros: an adapter loaded from a state brings no bias
         for site_name, rows in self._dora.items():
             rows[slot] = loaded.dora.get(site_name, 0.0)  # zeros: a plain LoRA slot, left as the expand made it
         return slot
+
+    def snapshot(self, slot: int) -> LoadedAdapter:
+        """The adapter in ``slot`` as host copies, to write back later exactly as it is now."""
+        name = self.slots[slot]
+        weights = {site: (a[slot].clone(), self._b[site][slot].clone()) for site, a in self._a.items()}
+        return LoadedAdapter(name, weights, {site: rows[slot].clone() for site, rows in self._dora.items()},
+                             {site: bias[slot].clone() for site, bias in self._bias.items()})
+
+    def clear(self, slot: int) -> None:
+        """Free ``slot``: no adapter, zero rows in every stack."""
+        self.write(LoadedAdapter(None, {}, {}, {}), slot)
+        self.slots[slot] = None
+
+    def host_row(self, site: str, role: str, slot: int) -> torch.Tensor:
+        """One slot's row of a host stack: role "A" ``[R, in]``, "B" ``[out, R]``, "bias" or "dora"."""
+        return {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}[role][site][slot]
 
 
 def _stack_bias(site: SiteSpec, slots) -> torch.Tensor:

@@ -1,16 +1,19 @@
 """Device copies of the host stacks, each transferred once, and their SPMD placement (``shard``).
 
-A fresh transfer after every change rather than an in-place device write:
-an in-place update of an XLA tensor is one more lazy op, i.e. one more XLA
-program to compile.  A site is one name, or a tuple of names for sites fused
-on one input (graph_rewrites/fuse_shared_shrink.py): their A stacks
+After ``register_adapters`` or ``shard`` every copy is made anew at its
+next use.  An adapter swapped into one slot (adapter_pool.py) is written in
+place instead (``write_slot``): one slot's rows cross to the device, once
+for a plain and a transposed copy, so a swap costs one adapter's bytes
+whatever the number of slots; XLA compiles that update once per set of
+stacks and reuses it.  A site is one name, or a tuple of names for sites
+fused on one input (graph_rewrites/fuse_shared_shrink.py): their A stacks
 concatenated along the rank dim.
 
 Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple, Union
+from typing import Callable, Dict, Tuple, Union
 
 import torch
 
@@ -22,8 +25,9 @@ Site = Union[str, Tuple[str, ...]]  # one site, or the sites fused on one input
 class DeviceStacks:
     """Per (site, role, device): the device copy of a host stack, annotated for SPMD after ``shard``."""
 
-    def __init__(self, stacks: AdapterStacks):
+    def __init__(self, stacks: AdapterStacks, count: Callable[..., None] = lambda *a, **k: None):
         self._stacks = stacks
+        self._count = count  # Stats.count: adapter bytes sent to the device
         self._copies: Dict[Tuple[Site, str, str], torch.Tensor] = {}
         self.sharding = None  # sharding.AdapterSharding after shard(mesh)
 
@@ -41,6 +45,36 @@ class DeviceStacks:
         if self.sharding is not None:
             self.sharding.forget()
 
+    def write_slot(self, slot: int) -> None:
+        """Rewrite row ``slot`` of every device copy from the host stacks, in place.
+
+        A sharded copy is dropped instead (made anew, placed, at its next
+        use): its placement after an in-place write is not something we
+        checked.  XLA devices run the writes as one program at the end.
+        """
+        if self.sharding is not None:
+            self.forget()
+            return
+        sent: Dict[Tuple[Site, str, str], torch.Tensor] = {}
+        where: Dict[str, torch.Tensor] = {}
+        for (site, role, device), copy in self._copies.items():
+            plain = role[:-2] if role.endswith("_T") else role
+            row = sent.get((site, plain, device))
+            if row is None:
+                host = (torch.cat([self._stacks.host_row(n, "A", slot) for n in site], dim=0)
+                        if isinstance(site, tuple) else self._stacks.host_row(site, plain, slot))
+                row = sent[(site, plain, device)] = host.to(copy.device)
+            if role.endswith("_T"):
+                row = row.transpose(0, 1)
+            if device not in where:
+                where[device] = torch.tensor([slot], device=copy.device)
+            copy.index_copy_(0, where[device], row.unsqueeze(0))
+        if any(t.device.type == "xla" for t in where.values()):
+            import torch_xla
+
+            torch_xla.sync()
+        self._count("bytes_to_device", n=sum(t.numel() * t.element_size() for t in sent.values()))
+
     def copies(self) -> Dict[Tuple[Site, str, str], torch.Tensor]:
         """The device copies made so far, by (site, role, device) (e.g. to check their placement)."""
         return dict(self._copies)
@@ -52,7 +86,8 @@ class DeviceStacks:
 
     def _cached(self, key, build) -> torch.Tensor:
         if key not in self._copies:
-            self._copies[key] = build()
+            tensor = self._copies[key] = build()
+            self._count("bytes_to_device", n=tensor.numel() * tensor.element_size())
         return self._copies[key]
 
     def stacked_a(self, site: Site, device, transposed: bool = False) -> torch.Tensor:

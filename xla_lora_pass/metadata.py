@@ -41,6 +41,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from . import eager_guard
+from .adapter_pool import AdapterPool
 from .adapter_stacks import AdapterStacks
 from .adapters import SiteSpec
 from .device_stacks import DeviceStacks, Site
@@ -87,8 +88,9 @@ class LoRAMetadata:
         self._adapters = AdapterStacks(max_rank)
         self._params = ParamIndex()
         self._tokens = TokenMapping(self.max_num_tokens)
-        self._devices = DeviceStacks(self._adapters)
         self._stats = Stats()
+        self._devices = DeviceStacks(self._adapters, self._stats.count)
+        self._pool = AdapterPool(self._adapters, self._devices, self._stats)
         self._hook_handles: list = []
 
     # ------------------------------------------------------------ adapters
@@ -136,6 +138,7 @@ class LoRAMetadata:
         self._adapters.register(sites, saved, list(names) + [None] * (num_slots - len(names)))
         self._params.refresh(sites, saved)
         self._devices.sites_changed()
+        self._pool.sites_changed()
         self._tokens.forget()
         self._hook_handles = eager_guard.install(self, sites, saved, self._hook_handles)
         if sites:
@@ -147,20 +150,54 @@ class LoRAMetadata:
     @_locked
     def load_adapter(self, name: str, state: Mapping[str, torch.Tensor], *, scaling: Optional[float] = None,
                      config=None) -> int:
-        """Load one adapter's weights into its slot (or the first free one); never recompiles.
+        """Load one adapter's weights into its slot, a free one, or the least recently used one the current
+        mapping does not use (adapter_pool.py); never recompiles.  Returns the slot.
 
         ``state``: a state dict in the registered layers' own keys, or a saved
         PEFT adapter directory; the scaling comes from ``scaling``, from
         ``config`` (a ``LoraConfig``), from the directory's config, or else from
         the layer's own formula (``AdapterStacks.validate`` lists them all).
         Weights of any floating dtype, on any device that holds data, are copied
-        into the host stacks and not kept.  Refused before any slot is touched:
-        a shape that does not fit the site, a non-floating dtype, a meta or
-        sparse tensor, a NaN or inf (after the cast and the scaling).
+        into the host stacks.  Refused before any slot is touched: a shape that
+        does not fit the site, a non-floating dtype, a meta or sparse tensor, a
+        NaN or inf (after the cast and the scaling).  The adapter stays known by
+        name (``add_adapter``), so an eviction can bring it back.
         """
-        slot = self._adapters.write(self._adapters.validate(name, state, scaling=scaling, config=config))
-        self._devices.forget()  # fresh transfers at the next call rather than in-place device writes
-        return slot
+        loaded = self._adapters.validate(name, state, scaling=scaling, config=config)
+        self._pool.remember(name, state, loaded, scaling=scaling, config=config)
+        return self._pool.load(loaded, self._mapped_names())
+
+    @_locked
+    def add_adapter(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> None:
+        """Know adapter ``name`` without loading it: a mapping that names it loads it into a slot.
+
+        ``state`` as for ``load_adapter``; a directory is read when a slot
+        needs it (or on ``prefetch``), a state dict is checked now and kept as
+        a host copy.
+        """
+        self._pool.add(name, state, scaling=scaling, config=config)
+
+    @_locked
+    def unload_adapter(self, name: str) -> int:
+        """Free ``name``'s slot (zero rows, written in place); it stays known and comes back on demand."""
+        return self._pool.unload(name, self._mapped_names())
+
+    @_locked
+    def pin(self, name: str) -> None:
+        """Keep ``name`` in its slot until ``unpin`` (loading it now if it is not in one)."""
+        self._pool.ensure([name], f"pin({name!r})")
+        self._pool.pinned.add(name)
+
+    @_locked
+    def unpin(self, name: str) -> None:
+        self._pool.pinned.discard(name)
+
+    prefetch = _forward("_pool", AdapterPool.prefetch)
+
+    def _mapped_names(self) -> List[str]:
+        """The adapters the current mapping uses (they must not be evicted under it)."""
+        slots = self._adapters.slots
+        return [slots[i] for i in (self._tokens.mapped_slots() or ()) if i >= 0 and slots[i] is not None]
 
     site_rank = _forward("_adapters", AdapterStacks.site_rank)
 
@@ -231,6 +268,7 @@ class LoRAMetadata:
 
         Valid for calls with exactly that many tokens; replaces a request mapping.
         """
+        self._pool.ensure(_names_in(mapping), "set_token_adapters")
         self._tokens.set_tokens(mapping, self._adapters.slots)
 
     @_locked
@@ -243,6 +281,7 @@ class LoRAMetadata:
         ``rows[b]``, until the next ``set_request_adapters`` or
         ``set_token_adapters``.  A call whose batch is not ``len(rows)`` is refused.
         """
+        self._pool.ensure(_names_in(rows), "set_request_adapters")
         self._tokens.set_requests(rows, self._adapters.slots)
 
     @contextlib.contextmanager
@@ -316,6 +355,13 @@ class LoRAMetadata:
     def step_tensors(self, device) -> List[torch.Tensor]:
         """The buffers on ``device`` built from the current mapping so far (token indices, row slots, layouts)."""
         return [t for t in self._tokens.cache.tensors() if t.device == torch.device(device)]
+
+
+def _names_in(mapping) -> List[str]:
+    """The adapter names a mapping gives (slot numbers and tensors name none)."""
+    if isinstance(mapping, (torch.Tensor, str, bytes)) or not isinstance(mapping, Sequence):
+        return []  # refused, if it is bad, by the mapping's own check
+    return [e for e in mapping if isinstance(e, str)]
 
 
 __all__ = ["LoRAMetadata", "NO_LORA", "TokenAdapter"]

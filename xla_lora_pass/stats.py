@@ -9,7 +9,10 @@ from typing import Dict, Mapping, Union
 
 # Counters kept per sub-key (rewrites per pattern, hits per bucket); the others are plain numbers.
 BY_SUB_KEY = ("rewrites", "bucket_hits")
-COUNTERS = ("compiles", "rewrites", "bucket_hits", "fallbacks", "padded_tokens", "real_tokens")
+COUNTERS = ("compiles", "rewrites", "bucket_hits", "fallbacks", "padded_tokens", "real_tokens",
+            # the adapter pool (adapter_pool.py): adapters written into a slot, adapters they replaced,
+            # adapters a mapping named that were in a slot already, adapter weight bytes sent to the device
+            "loads", "evictions", "slot_hits", "bytes_to_device")
 
 
 class Stats:
