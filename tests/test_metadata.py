@@ -119,14 +119,19 @@ def test_load_adapter_rejects_bad_weights(meta, state, error, match):
         assert torch.equal(old, new)
 
 
-def test_load_adapter_needs_a_scaling_and_a_free_slot(model_and_names):
+def test_load_adapter_needs_a_scaling_and_a_slot_the_mapping_does_not_use(model_and_names):
     meta = xlp.LoRAMetadata(max_num_tokens=64)
-    meta.register_adapters(model_and_names[0])
+    names = meta.register_adapters(model_and_names[0])
     state = {f"{Q0}.lora_A.weight": torch.randn(2, 32), f"{Q0}.lora_B.weight": torch.randn(32, 2)}
     with pytest.raises(ValueError, match="give scaling= or a LoraConfig"):
         meta.load_adapter("sql", state)
-    with pytest.raises(ValueError, match="all 3 slots are taken"):
+    meta.set_request_adapters(names)  # every slot is in use
+    with pytest.raises(xlp.UnsupportedMappingError, match="3 of them kept by .* it needs 4 slots"):
         meta.load_adapter("new", state, scaling=1.0)
+    assert meta.slots == names
+    meta.set_request_adapters(names[1:])
+    assert meta.load_adapter("new", state, scaling=1.0) == 0  # the least recently used, unused adapter goes
+    assert meta.slots == ["new"] + names[1:] and meta.stats["evictions"] == 1
 
 
 def test_model_without_lora_warns():

@@ -228,7 +228,9 @@ def test_load_adapter_copies_weights_from_any_device_and_refuses_a_full_house(se
     s.meta.set_token_adapters(per_sequence_mapping([None, None], SEQ))
     base = s.run()
     assert torch.equal(with_fresh[0], base[0]) and (with_fresh[1] - base[1]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match=r"load_adapter\('another'\): all 4 slots are taken"):
+    # A fifth adapter while the mapping uses all four slots: no slot may be taken from under it.
+    s.meta.set_token_adapters([s.meta.slots[i % 4] for i in range(2 * SEQ)])
+    with pytest.raises(ValueError, match=r"load_adapter\('another'\): .*4 of them kept by .* it needs 5 slots"):
         s.meta.load_adapter("another", _state(), scaling=1.0)
     assert s.good_request() < 1e-4
     assert (xla_compiles() - xla_before, s.meta.stats["compiles"] - compiles_before) == (0, 0)

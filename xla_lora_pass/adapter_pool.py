@@ -58,8 +58,9 @@ def plan_slots(slots: Sequence[Optional[str]], wanted: Iterable[str], *, pinned:
     if len(missing) > len(free) + len(evictable):
         held = sorted(set(pinned) & set(resident) - set(wanted))
         raise SlotCapacityError(
-            f"{caller}: the mapping uses {len(wanted)} adapters {wanted} at once, but there are "
-            f"{len(slots)} slots" + (f", {len(held)} of them pinned by {held}" if held else "") +
+            f"{caller}: needs {len(wanted)} adapters {wanted} in slots at once, but there are "
+            f"{len(slots)} slots" + (f", {len(held)} of them kept by {held} (pinned, holding PEFT "
+                                     "modules_to_save copies, or used by the current mapping)" if held else "") +
             f": it needs {len(wanted) + len(held)} slots. Split the batch into batches of at most "
             f"{len(slots) - len(held)} adapters, unpin some, or create the LoRAMetadata with a larger max_slots")
     loads, evictions = [], []

@@ -48,32 +48,30 @@ class DeviceStacks:
     def write_slot(self, slot: int) -> None:
         """Rewrite row ``slot`` of every device copy from the host stacks, in place.
 
-        A sharded copy is dropped instead (made anew, placed, at its next
-        use): its placement after an in-place write is not something we
-        checked.  XLA devices run the writes as one program at the end.
+        Each host row crosses once (a transposed copy takes the row sent for
+        the plain one).  A sharded copy is dropped instead and made anew, placed,
+        at its next use: its placement after an in-place write is not
+        something we checked.
         """
         if self.sharding is not None:
             self.forget()
             return
         sent: Dict[Tuple[Site, str, str], torch.Tensor] = {}
-        where: Dict[str, torch.Tensor] = {}
         for (site, role, device), copy in self._copies.items():
             plain = role[:-2] if role.endswith("_T") else role
             row = sent.get((site, plain, device))
             if row is None:
-                host = (torch.cat([self._stacks.host_row(n, "A", slot) for n in site], dim=0)
-                        if isinstance(site, tuple) else self._stacks.host_row(site, plain, slot))
-                row = sent[(site, plain, device)] = host.to(copy.device)
-            if role.endswith("_T"):
-                row = row.transpose(0, 1)
-            if device not in where:
-                where[device] = torch.tensor([slot], device=copy.device)
-            copy.index_copy_(0, where[device], row.unsqueeze(0))
-        if any(t.device.type == "xla" for t in where.values()):
-            import torch_xla
-
-            torch_xla.sync()
+                # copy=True: on the CPU a plain "device copy" is the host stack itself, and a row of it
+                # cannot be index-copied into it.
+                row = sent[(site, plain, device)] = self._host_row(site, plain, slot).to(copy.device, copy=True)
+            _write_row(copy, slot, row, transposed=role.endswith("_T"))
         self._count("bytes_to_device", n=sum(t.numel() * t.element_size() for t in sent.values()))
+
+    def _host_row(self, site: Site, role: str, slot: int) -> torch.Tensor:
+        """One slot's host row of a (plain) stack; a fused group's A rows concatenated along the rank."""
+        if isinstance(site, tuple):
+            return torch.cat([self._stacks.host_row(n, "A", slot) for n in site], dim=0)
+        return self._stacks.host_row(site, role, slot)
 
     def copies(self) -> Dict[Tuple[Site, str, str], torch.Tensor]:
         """The device copies made so far, by (site, role, device) (e.g. to check their placement)."""
@@ -88,6 +86,13 @@ class DeviceStacks:
         if key not in self._copies:
             tensor = self._copies[key] = build()
             self._count("bytes_to_device", n=tensor.numel() * tensor.element_size())
+            if tensor.device.type == "xla" and self.sharding is None:
+                # Compile the slot write now, with the graph's own first programs (slot 0 rewritten as it
+                # is): a swap never compiles.
+                site, role, _ = key
+                plain = role[:-2] if role.endswith("_T") else role
+                _write_row(tensor, 0, self._host_row(site, plain, 0).to(tensor.device, copy=True),
+                           transposed=role.endswith("_T"))
         return self._copies[key]
 
     def stacked_a(self, site: Site, device, transposed: bool = False) -> torch.Tensor:
@@ -121,6 +126,15 @@ class DeviceStacks:
     def stacked_dora(self, site: str, device) -> torch.Tensor:
         """The site's per-slot DoRA rescaling ``[N, 2, out]`` (gain, shift; dora.py) on ``device``, replicated."""
         return self._cached((site, "dora", str(device)), lambda: self._stacks.host_dora(site).to(device))
+
+
+def _write_row(copy: torch.Tensor, slot: int, row: torch.Tensor, transposed: bool) -> None:
+    """``copy[slot] = row`` (or its transpose) in place; on XLA one small program per stack shape, run now."""
+    copy.index_copy_(0, torch.tensor([slot], device=copy.device), (row.transpose(0, 1) if transposed else row)[None])
+    if copy.device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.unlazy([copy])
 
 
 def _to_device(host: torch.Tensor, device, transposed: bool) -> torch.Tensor:
