@@ -12,6 +12,7 @@ from . import xla_cpu_flags  # first: XLA reads XLA_FLAGS when its runtime start
 from . import config, ops  # ops before the passes: registers torch.ops.xla_lora
 from .backend import LoRABackend, make_backend
 from .errors import UnsupportedAdapterError, UnsupportedMappingError
+from .adapter_pool import SlotCapacityError
 from .bucketing import Buckets
 from .metadata import NO_LORA, LoRAMetadata
 from .rewrite import capture_graphs, rewrite
@@ -36,7 +37,7 @@ def xla_lora_backend(gm, example_inputs):
 
 
 __all__ = [
-    "Buckets", "LoRABackend", "capture_graphs", "LoRAMetadata", "NO_LORA", "UnsupportedAdapterError",
+    "Buckets", "LoRABackend", "SlotCapacityError", "capture_graphs", "LoRAMetadata", "NO_LORA", "UnsupportedAdapterError",
     "UnsupportedMappingError", "config",
     "default_metadata", "make_backend", "ops", "rewrite", "xla_lora_backend",
 ]

@@ -106,9 +106,10 @@ class AdapterPool:
         else:
             self.source.keep(loaded)
 
-    def prefetch(self, names: Iterable[str]) -> None:
-        """Read the directories of ``names`` on a background thread, before a mapping needs them."""
-        self.source.prefetch(names)
+    def prefetch(self, names: Iterable[str], wait: bool = False) -> None:
+        """Read the directories of ``names`` on a background thread, before a mapping needs them
+        (``wait``: until they are read)."""
+        self.source.prefetch(names, wait)
 
     def sites_changed(self) -> None:
         """After ``register_adapters``: host copies checked against the old sites go, directories stay."""

@@ -94,10 +94,19 @@ class AdapterSource:
             entry = self._dirs[name]
         return self._read_now(name, entry)
 
-    def prefetch(self, names: Iterable[str]) -> None:
-        """Start reading the directories of ``names`` on a background thread (others are skipped)."""
+    def prefetch(self, names: Iterable[str], wait: bool = False) -> None:
+        """Start reading the directories of ``names`` on a background thread (others are skipped);
+        ``wait``: return once they are read (a read that failed raises at ``get``)."""
+        names = list(dict.fromkeys(names))
+        self._start(names)
+        if wait:
+            with self._lock:
+                pending = [self._pending[n] for n in names if n in self._pending]
+            concurrent.futures.wait(pending)
+
+    def _start(self, names: List[str]) -> None:
         with self._lock:
-            todo = [n for n in dict.fromkeys(names)
+            todo = [n for n in names
                     if n in self._dirs and n not in self._read and n not in self._pending]
             if not todo:
                 return

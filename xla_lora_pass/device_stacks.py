@@ -129,12 +129,17 @@ class DeviceStacks:
 
 
 def _write_row(copy: torch.Tensor, slot: int, row: torch.Tensor, transposed: bool) -> None:
-    """``copy[slot] = row`` (or its transpose) in place; on XLA one small program per stack shape, run now."""
+    """``copy[slot] = row`` (or its transpose) in place; on XLA one small program per stack shape, started now.
+
+    Each copy is synced on its own so the program depends on its shape alone
+    (a sync of several would compile one program per set of stacks); without
+    waiting, so the writes of one swap run back to back.
+    """
     copy.index_copy_(0, torch.tensor([slot], device=copy.device), (row.transpose(0, 1) if transposed else row)[None])
     if copy.device.type == "xla":
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
-        xm.unlazy([copy])
+        torch_xla._XLAC._xla_sync_multi([copy], devices=[], wait=False)
 
 
 def _to_device(host: torch.Tensor, device, transposed: bool) -> torch.Tensor:
