@@ -1,30 +1,20 @@
-"""Blocked BGMV: tokens sorted by slot into fixed-size row blocks (DESIGN.md, kernel table).
+"""The host-side layout of the removed blocked kernel; only ``LoRAMetadata.block_layout`` still reads it.
 
-The same semantics as ``bgmv_shrink`` / ``bgmv_expand`` in
-:mod:`xla_lora_pass.ops`, registered as ``torch.ops.xla_lora.bgmv_*_blocked``;
-the graph pass emits them when ``config.kernel == "blocked"``,
-and ``LoRAMetadata.block_layout`` builds the layout once per step.
+The blocked kernel (tokens sorted by slot into fixed-size row blocks) was
+removed: at model level it never beat the masked kernel (1.54x the base model
+against 1.48x in the same run, docs/benchmarks.md), and the segment kernel
+serves packed batches.  Its ops are gone; this module goes with
+``LoRAMetadata.block_layout``, which is removed with the metadata split.
 
-The layout is built ONCE per step on the host from the int32 token indices
-and shared by every LoRA layer of the step:
+The layout, built on the host from the int32 token indices:
 
 * ``row_token`` ``[NB * BS]`` int32: the token each padded row holds, -1 for
   padding rows;
-* ``block_slot`` ``[NB]`` int32: the slot (adapter) of each block; unused
-  blocks say 0 and hold only padding rows;
-* ``token_row`` ``[T]`` int32: the padded row of each token; tokens with
-  index -1 point at a padding row (whose value is zero).
+* ``block_slot`` ``[NB]`` int32: the slot (adapter) of each block;
+* ``token_row`` ``[T]`` int32: the padded row of each token.
 
 ``NB = ceil(T / BS) + N`` blocks is a static bound (each slot wastes less than
-one block), so every shape depends only on the bucket (T), the slot count (N)
-and the block size (BS): one XLA program per bucket, whatever the mapping.
-The last block is always unused: the slots' blocks fill at most
-``floor((T + N * (BS - 1)) / BS) < NB`` of them.
-
-On the device, per layer, each block multiplies its ``BS`` rows by ONE
-slot's weights (a ``[NB, ...]`` weight gather and a batched matmul), so the
-LoRA FLOPs are ``NB * BS * R * (D + O)``, against ``T * N * R * (D + O)`` for
-the masked form in ``ops.py``: 1/N of the work, plus two row gathers.
+one block).
 """
 from __future__ import annotations
 
@@ -33,11 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-# ops.py imports this module at its end, after defining the shared helper.
-from .ops import _compute_dtype
-
-__all__ = ["BLOCK_SIZE", "BlockedLayout", "num_blocks", "build_layout", "blocked_shrink", "blocked_expand",
-           "bgmv_shrink_blocked", "bgmv_expand_blocked", "padded_layout"]
+__all__ = ["BLOCK_SIZE", "BlockedLayout", "num_blocks", "build_layout", "padded_layout"]
 
 BLOCK_SIZE = 32
 
@@ -46,9 +32,6 @@ class BlockedLayout(NamedTuple):
     row_token: torch.Tensor  # [NB * BS] int32, -1 = padding row
     block_slot: torch.Tensor  # [NB] int32
     token_row: torch.Tensor  # [T] int32
-
-    def to(self, device) -> "BlockedLayout":
-        return BlockedLayout(*(t.to(device) for t in self))
 
 
 def num_blocks(num_tokens: int, num_slots: int, block_size: int = BLOCK_SIZE) -> int:
@@ -87,74 +70,6 @@ def build_layout(idx, num_slots: int, block_size: int = BLOCK_SIZE) -> BlockedLa
     token_row[sorted_tokens] = padded
     return BlockedLayout(torch.from_numpy(row_token), torch.from_numpy(block_slot), torch.from_numpy(token_row))
 
-
-
-def _to_blocks(x: torch.Tensor, layout: BlockedLayout) -> torch.Tensor:
-    """``[NB, BS, F]``: each padded row's token row of x, zero on padding rows."""
-    nb = layout.block_slot.shape[0]
-    rows = x.index_select(0, layout.row_token.clamp(min=0))
-    rows = torch.where((layout.row_token >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=x.dtype, device=x.device))
-    return rows.reshape(nb, -1, x.shape[1])
-
-
-def blocked_shrink(x: torch.Tensor, w: torch.Tensor, layout: BlockedLayout, scale: float = 1.0) -> torch.Tensor:
-    """``[T, R] = scale * x @ w[idx].T`` through the blocks; zero rows where idx == -1.
-
-    x ``[T, D]``, w ``[N, R, D]``.
-    """
-    dtype = _compute_dtype(w)
-    nb = layout.block_slot.shape[0]
-    xb = x.index_select(0, layout.row_token.clamp(min=0)).to(dtype).reshape(nb, -1, x.shape[1])  # [NB, BS, D]
-    wb = w.index_select(0, layout.block_slot).to(dtype)  # [NB, R, D]
-    out = torch.bmm(xb, wb.transpose(1, 2)).reshape(-1, w.shape[1])  # [NB*BS, R]
-    # Zero padding rows on the small [NB*BS, R] side (tokens with -1 read one of them).
-    out = torch.where((layout.row_token >= 0).unsqueeze(-1), out, torch.zeros((), dtype=dtype, device=x.device))
-    if scale != 1.0:
-        out = out * scale
-    return out.index_select(0, layout.token_row).to(x.dtype)
-
-
-def blocked_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, layout: BlockedLayout,
-                   add_inputs: bool = True) -> torch.Tensor:
-    """``y + x @ w[idx].T`` through the blocks (the delta alone when add_inputs is False).
-
-    x ``[T, R]``, w ``[N, O, R]``, y ``[T, O]``; rows with idx == -1 get nothing.
-    """
-    dtype = _compute_dtype(w)
-    xb = _to_blocks(x.to(dtype), layout)  # [NB, BS, R], zero on padding rows
-    wb = w.index_select(0, layout.block_slot).to(dtype)  # [NB, O, R]
-    delta = torch.bmm(xb, wb.transpose(1, 2)).reshape(-1, w.shape[1])  # [NB*BS, O]
-    delta = delta.index_select(0, layout.token_row).to(y.dtype)  # -1 tokens read a zero padding row
-    return y + delta if add_inputs else delta
-
-
-# ---------------------------------------------------------------------------
-# As torch.ops.xla_lora custom ops, for the graph pass (config.kernel = "blocked").
-# ---------------------------------------------------------------------------
-
-
-@torch.library.custom_op("xla_lora::bgmv_shrink_blocked", mutates_args=())
-def bgmv_shrink_blocked(x: torch.Tensor, w: torch.Tensor, row_token: torch.Tensor, block_slot: torch.Tensor,
-                        token_row: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``bgmv_shrink`` through a step's block layout (the three tensors of :class:`BlockedLayout`)."""
-    return blocked_shrink(x, w, BlockedLayout(row_token, block_slot, token_row), scale)
-
-
-@bgmv_shrink_blocked.register_fake
-def _bgmv_shrink_blocked_fake(x, w, row_token, block_slot, token_row, scale=1.0):
-    return x.new_empty((token_row.shape[0], w.shape[1]))
-
-
-@torch.library.custom_op("xla_lora::bgmv_expand_blocked", mutates_args=())
-def bgmv_expand_blocked(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, row_token: torch.Tensor,
-                        block_slot: torch.Tensor, token_row: torch.Tensor, add_inputs: bool = True) -> torch.Tensor:
-    """``bgmv_expand`` through a step's block layout."""
-    return blocked_expand(x, w, y, BlockedLayout(row_token, block_slot, token_row), add_inputs)
-
-
-@bgmv_expand_blocked.register_fake
-def _bgmv_expand_blocked_fake(x, w, y, row_token, block_slot, token_row, add_inputs=True):
-    return torch.empty_like(y)
 
 
 def padded_layout(idx: torch.Tensor, num_slots: int, max_tokens: int, block_size: int = BLOCK_SIZE) -> BlockedLayout:
