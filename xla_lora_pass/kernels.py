@@ -31,7 +31,7 @@ from graph_rewrites.annotations import (POOLED_ROW_SLOTS, ROW_SLOTS, SAVED_MODUL
 from graph_rewrites.kernels import KernelSpec
 from graph_rewrites.site_inputs import site_row_slots, site_segment_layout
 
-from . import ops  # noqa: F401  (registers torch.ops.xla_lora, which the specs name)
+from . import ops, ops_rows, ops_segments  # noqa: F401  (register the torch.ops.xla_lora ops the specs name)
 from .metadata import LoRAMetadata
 
 # (meta, request, device, real token dims, padded token dims) -> the tensor for one added placeholder.

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import torch
 
-# The row and segment kernels register torch.ops.xla_lora.bgmv_*_rows / _segments beside these.
-from . import ops_rows, ops_segments  # noqa: F401
 from .ops_common import bgmv_expand_reference, bgmv_shrink_reference, compute_dtype, define_kernel_ops
 
 __all__ = [

@@ -5,7 +5,7 @@ The same semantics as ``bgmv_shrink`` / ``bgmv_expand`` in
 graph's ``[B, S]`` token layout, which is how multi-LoRA serving and PEFT's
 ``adapter_names=`` assign adapters: per request.  Registered as
 ``torch.ops.xla_lora.bgmv_*_rows``; the graph pass emits them when
-``config.kernel`` is ``"auto"`` (the default) or ``"rows"``, and the backend
+``config.kernel`` is ``"auto"`` (the default; the kernel table's first entry), and the backend
 runs them only for mappings that are constant per row (``LoRAMetadata.rows_uniform``).
 
 The tokens are ``T = B * L`` rows of x, row b holding tokens ``[b*L, (b+1)*L)``;
@@ -18,7 +18,7 @@ kernel time here.  Each row gathers ITS slot's weights
 once (``[B, R, D]`` and ``[B, O, R]``) and multiplies its L tokens by them in
 one batched matmul: ``T * R * (D + O)`` FLOPs, the LoRA's own, against
 ``T * N * R * (D + O)`` for the masked form (every slot's columns for every
-token) and no token reordering, unlike the blocked form.  Measured here (XLA
+token), and no token reordering.  Measured here (XLA
 on the CPU, docs/benchmarks.md): 1.08-1.22x the base model where masked is 1.37-1.53x.
 """
 from __future__ import annotations
