@@ -43,7 +43,6 @@ SAVED_MODULE_PARAM = "saved_module_param"
 # slots [max_blocks, K] and each token's pass [max_num_tokens].
 SEGMENT_BLOCK_SLOTS = "segment_block_slots"
 SEGMENT_PICK = "segment_pick"
-SEGMENT_KINDS = (SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +81,11 @@ class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
     kind: str  # TOKEN_INDICES, (POOLED_)ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS, STACKED_DORA,
-    # SAVED_MODULE_PARAM, or a kernel's own (KernelSpec.input_kinds: ROW_SLOTS, SEGMENT_KINDS)
+    # SAVED_MODULE_PARAM, or a kernel's own (KernelSpec.input_kinds: ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)
     site: Optional[str] = None
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32
     param: Optional[Tuple[Optional[str], str]] = None  # SAVED_MODULE_PARAM: (adapter or None, tensor name)
-    # SEGMENT_KINDS: (tokens per block, slots per block) the graph was rewritten for; the layout is built with them.
+    # The segment kernel's inputs: (tokens per block, slots per block) the graph was rewritten for; the layout is
+    # built with them.
     blocks: Tuple[int, ...] = ()
