@@ -12,12 +12,11 @@ import collections
 import operator
 from typing import Dict, List, Tuple
 
-import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .kernels import KernelSpec
 from .annotations import LORA_INPUT, GraphInputRequest
+from .kernels import KernelSpec
 from .report import RewriteContext
 
 PATTERN_NAME = "fuse_shared_shrink"
