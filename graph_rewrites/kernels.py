@@ -55,12 +55,17 @@ class KernelSpec:
     @property
     def weight_kinds(self) -> Tuple[str, str]:
         """The GraphInputRequest kinds of its A and B stacks."""
-        return (STACKED_A_T, STACKED_B_T) if self.transposed else (STACKED_A, STACKED_B)
+        return weight_kinds(self.transposed)
 
     @property
     def rank_dim(self) -> int:
         """The dim of its A stack that holds the rank (fused shrinks concatenate along it)."""
         return 2 if self.transposed else 1
+
+
+def weight_kinds(transposed: bool) -> Tuple[str, str]:
+    """The GraphInputRequest kinds of a site's A and B stacks in one layout."""
+    return (STACKED_A_T, STACKED_B_T) if transposed else (STACKED_A, STACKED_B)
 
 
 def is_expand(target) -> bool:
@@ -75,7 +80,7 @@ def stacks_and_base(graph: fx.Graph, m, ref: LoRAWeightRef, device, transposed: 
     ``transposed``: the ``[N, in, R]`` / ``[N, R, out]`` stacks instead (``KernelSpec.transposed``).
     """
     n, r = ref.num_slots, ref.stacked_rank
-    kind_a, kind_b = (STACKED_A_T, STACKED_B_T) if transposed else (STACKED_A, STACKED_B)
+    kind_a, kind_b = weight_kinds(transposed)
     shape_a, shape_b = ((n, ref.in_features, r), (n, r, ref.out_features)) if transposed else (
         (n, r, ref.in_features), (n, ref.out_features, r))
     stacked_a = stacked_input(graph, ref, kind_a, shape_a, device)
