@@ -59,7 +59,8 @@ def _check_2d(name: str, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------------
-# Reference implementations: per-token gather, the definition of the ops.
+# Reference implementations: per-token gather, the definition of the ops
+# (shrink's and expand's, which every kernel shares, are in ops_common.py).
 # ---------------------------------------------------------------------------
 
 
