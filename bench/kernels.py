@@ -7,10 +7,6 @@ every form compiled with plain ``openxla`` on the XLA CPU device:
 
 * base: ``x @ W.T`` (the floor);
 * masked: base + ``torch.ops.xla_lora.bgmv_shrink`` / ``bgmv_expand`` (ops.py, what the pass emits);
-* blocked: base + ``ops_blocked.blocked_shrink`` / ``blocked_expand`` with the layout already on the
-  device (the per-layer cost when one layout serves every layer of a step);
-* blocked + layout: the same, also building the layout on the host and copying it to the device
-  every call (the per-step cost, paid once per step however many layers there are);
 * rows: base + ``bgmv_shrink_rows`` / ``bgmv_expand_rows`` (ops_rows.py, the default kernel) for the
   per-request case: the tokens as 16 rows of T/16, row i on adapter i mod N;
 * segments: base + ``bgmv_shrink_segments`` / ``bgmv_expand_segments`` (ops_segments.py) for the same
@@ -44,9 +40,7 @@ def main(argv=None) -> int:
     import torch_xla.core.xla_model as xm
 
     import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
-    from xla_lora_pass.ops_blocked import build_layout
-
-    from xla_lora_pass import config, ops_blocked
+    from xla_lora_pass import config
     from xla_lora_pass.ops_segments import build_segment_layout
 
     dev = torch_xla.device()
@@ -58,7 +52,6 @@ def main(argv=None) -> int:
     b = (torch.randn(n, d, r, generator=g) / r ** 0.5).to(dev)
     idx_host = torch.randint(0, n, (t,), generator=g, dtype=torch.int32)
     idx = idx_host.to(dev)
-    layout = build_layout(idx_host, n).to(dev)
 
     def base(x, w):
         return x @ w.t()
@@ -67,11 +60,6 @@ def main(argv=None) -> int:
         y = x @ w.t()
         s = torch.ops.xla_lora.bgmv_shrink(x, a, idx, 1.0)
         return torch.ops.xla_lora.bgmv_expand(s, b, y, idx, True)
-
-    def blocked(x, w, a, b, row_token, block_slot, token_row):
-        lay = ops_blocked.BlockedLayout(row_token, block_slot, token_row)
-        y = x @ w.t()
-        return ops_blocked.blocked_expand(ops_blocked.blocked_shrink(x, a, lay), b, y, lay)
 
     def rows(x, w, a, b, row_slots):
         y = x @ w.t()
@@ -93,13 +81,10 @@ def main(argv=None) -> int:
     c_rows = torch.compile(rows, backend="openxla")
     c_base = torch.compile(base, backend="openxla")
     c_masked = torch.compile(masked, backend="openxla")
-    c_blocked = torch.compile(blocked, backend="openxla")
 
     # Correctness first: the forms agree with each other.
     with torch.no_grad():
         ref = c_masked(x, w, a, b, idx).cpu()
-        got = c_blocked(x, w, a, b, *layout).cpu()
-        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
         got_rows = c_rows(x, w, a_t, b_t, row_slots).cpu()
         ref_rows = c_masked(x, w, a, b, row_slots_host.repeat_interleave(t // 16).to(dev)).cpu()
         torch.testing.assert_close(got_rows, ref_rows, atol=1e-3, rtol=1e-4)
@@ -113,17 +98,9 @@ def main(argv=None) -> int:
             xm.wait_device_ops()
         return call
 
-    def blocked_with_layout():
-        lay = build_layout(idx_host, n).to(dev)
-        with torch.no_grad():
-            c_blocked(x, w, a, b, *lay)
-        xm.wait_device_ops()
-
     fns = {
         "base matmul": run(c_base, x, w),
         "masked (ops.py)": run(c_masked, x, w, a, b, idx),
-        "blocked, layout on device": run(c_blocked, x, w, a, b, *layout),
-        "blocked + host layout each call": blocked_with_layout,
         "rows (ops_rows.py), one adapter per row of 16": run(c_rows, x, w, a_t, b_t, row_slots),
         f"segments (ops_segments.py), 16 requests of {t // 16} in one row": run(c_segments, x, w, a_t, b_t,
                                                                                 *seg_layout),
@@ -136,7 +113,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     for _ in range(50):
-        build_layout(idx_host, n)
+        build_segment_layout(seg_idx, config.segment_block_tokens, config.segment_slots_per_block)
     host_ms = (time.perf_counter() - start) / 50 * 1e3
 
     print(f"One {d}x{d} linear, {t} tokens over {n} adapters (random), r={r}, fp32, openxla on the XLA CPU "
@@ -144,7 +121,7 @@ def main(argv=None) -> int:
           f"repetition, median [min-max].\n")
     rows = [[name, f"{sorted(ts)[len(ts) // 2] * 1e3:.3f}", summary(rat[name])] for name, ts in times.items()]
     print(markdown_table(["form", "ms / call (median)", "time / base"], rows))
-    print(f"\nbuild_layout on the host alone: {host_ms:.3f} ms per step ({t} tokens, {n} slots).")
+    print(f"\nbuild_segment_layout on the host alone: {host_ms:.3f} ms per step ({t} tokens, 16 segments).")
     return 0
 
 

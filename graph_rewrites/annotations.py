@@ -32,11 +32,6 @@ STACKED_B_T = "stacked_b_t"
 STACKED_BIAS = "stacked_bias"
 # DoRA's per-slot [N, 2, out] rescaling (gain m/||W + sBA|| - 1, and gain * base bias); zeros for other slots.
 STACKED_DORA = "stacked_dora"
-# The blocked kernel's per-step layout (xla_lora_pass/ops_blocked.py), shared by every site.
-LAYOUT_ROW_TOKEN = "layout_row_token"
-LAYOUT_BLOCK_SLOT = "layout_block_slot"
-LAYOUT_TOKEN_ROW = "layout_token_row"
-LAYOUT_KINDS = (LAYOUT_ROW_TOKEN, LAYOUT_BLOCK_SLOT, LAYOUT_TOKEN_ROW)
 # The row kernel's per-step input: the slot of each row of the token grid (xla_lora_pass/ops_rows.py).
 ROW_SLOTS = "row_slots"
 # The same slot per row, for a saved module that pools each row to one output (a classification head);
@@ -48,7 +43,6 @@ SAVED_MODULE_PARAM = "saved_module_param"
 # slots [max_blocks, K] and each token's pass [max_num_tokens].
 SEGMENT_BLOCK_SLOTS = "segment_block_slots"
 SEGMENT_PICK = "segment_pick"
-SEGMENT_KINDS = (SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +81,11 @@ class GraphInputRequest:
     """A new placeholder the caller must feed: token indices or a site's stacked weights."""
 
     kind: str  # TOKEN_INDICES, (POOLED_)ROW_SLOTS, STACKED_A(_T), STACKED_B(_T), STACKED_BIAS, STACKED_DORA,
-    # SAVED_MODULE_PARAM, one of LAYOUT_KINDS or one of SEGMENT_KINDS
+    # SAVED_MODULE_PARAM, or a kernel's own (KernelSpec.input_kinds: ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)
     site: Union[str, Tuple[str, ...], None] = None  # a tuple of sites for an A fused over sites sharing an input
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32
     param: Optional[Tuple[Optional[str], str]] = None  # SAVED_MODULE_PARAM: (adapter or None, tensor name)
-    # SEGMENT_KINDS: (tokens per block, slots per block) the graph was rewritten for; the layout is built with them.
+    # The segment kernel's inputs: (tokens per block, slots per block) the graph was rewritten for; the layout is
+    # built with them.
     blocks: Tuple[int, ...] = ()

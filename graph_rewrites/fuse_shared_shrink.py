@@ -12,12 +12,11 @@ import collections
 import operator
 from typing import Dict, List, Tuple
 
-import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .annotations import LORA_INPUT, STACKED_A, STACKED_A_T, GraphInputRequest
-from .lora_linear import KERNEL_OPS
+from .annotations import LORA_INPUT, GraphInputRequest
+from .kernels import KernelSpec
 from .report import RewriteContext
 
 PATTERN_NAME = "fuse_shared_shrink"
@@ -31,33 +30,35 @@ def _same_value_key(node: fx.Node) -> Tuple:
     return ("node", node)
 
 
-def _shrink_groups(graph: fx.Graph) -> List[List[fx.Node]]:
-    """Shrinks (of any kernel) whose arguments other than A are the same values."""
+def _shrink_groups(graph: fx.Graph, ctx: RewriteContext) -> List[Tuple[KernelSpec, List[fx.Node]]]:
+    """Shrinks (of any kernel in ``ctx.kernels``) whose arguments other than A are the same values."""
     groups: Dict[Tuple, List[fx.Node]] = collections.defaultdict(list)
-    for shrink, _, _ in KERNEL_OPS.values():
-        target = getattr(torch.ops.xla_lora, shrink).default
+    kernels = {}
+    for kernel in ctx.kernels:
+        target = kernel.shrink_op
         for node in graph.find_nodes(op="call_function", target=target):
             x2d, w, *rest = node.args
             request = w.meta.get(LORA_INPUT)
-            if request is None or request.kind not in (STACKED_A, STACKED_A_T):
+            if request is None or request.kind != kernel.weight_kinds[0]:
                 continue
             key = (target, _same_value_key(x2d), request.dtype,
                    tuple(_same_value_key(a) if isinstance(a, fx.Node) else a for a in rest))
             groups[key].append(node)
-    return [g for g in groups.values() if len(g) > 1]
+            kernels[key] = kernel
+    return [(kernels[k], g) for k, g in groups.items() if len(g) > 1]
 
 
 def fuse_shared_shrinks(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     """Replace each group of shrinks over one input by one shrink and per-site column slices."""
     graph = gm.graph
     fused_any = False
-    for group in _shrink_groups(graph):
+    for kernel, group in _shrink_groups(graph, ctx):
         order = {n: i for i, n in enumerate(graph.nodes)}
         group.sort(key=order.get)
         first = group[0]
         requests = [n.args[1].meta[LORA_INPUT] for n in group]
         kind = requests[0].kind
-        rank_dim = 2 if kind == STACKED_A_T else 1  # the transposed A (rows, segments) is [N, in, R]
+        rank_dim = kernel.rank_dim
         ranks = [r.shape[rank_dim] for r in requests]
         shape = list(requests[0].shape)
         shape[rank_dim] = sum(ranks)

@@ -14,7 +14,7 @@ expand becomes
 
     y = bgmv_expand(bgmv_shrink(x2d, stacked_A, idx), stacked_B, y2d, idx)
 
-the same shrink/expand patterns 1 and 2 emit (row, blocked or masked kernel),
+the same shrink/expand patterns 1 and 2 emit (the rewrite's kernel, ``kernels.emit_lora_delta``),
 so every slot's adapter is served at every site whatever adapter is active.
 Exact for every mapping: slots whose adapter is absent at the site have zero
 stacks, -1 adds nothing, and the base op is untouched.
@@ -34,9 +34,10 @@ import torch.nn.functional as F
 
 from . import fx_utils
 from .annotations import BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, STACKED_BIAS, LoRAWeightRef
-from .lora_linear import KERNEL_OPS, apply_site_dora, emit_shrink_expand, stacks_and_base
+from .kernels import emit_lora_delta, is_expand, stacks_and_base
+from .lora_linear import apply_site_dora
 from .report import NearMiss, RewriteContext, SiteRewrite
-from .site_inputs import device_of, site_indices, site_kernel_inputs, stacked_input
+from .site_inputs import device_of, site_indices, stacked_input
 
 PATTERN_NAME = "lora_attach"
 
@@ -104,17 +105,11 @@ def _other_kind_use(use: fx.Node, weight: fx.Node, kind: str) -> bool:
     return base_op(use, weight, other) is not None
 
 
-def _expands() -> Tuple:
-    """Every expand kernel: each takes the output it adds the delta to as its third argument."""
-    ops = torch.ops.xla_lora
-    return (ops.bgmv_expand_slice.default,) + tuple(getattr(ops, names[1]).default for names in KERNEL_OPS.values())
-
-
 def feeds_lora_expand(node: fx.Node, depth: int = 4) -> bool:
     """Whether ``node`` is the base output an expand adds a delta to (through reshapes and casts)."""
     for user in node.users:
         target = user.target
-        if user.op == "call_function" and target in _expands() and len(user.args) > 2 and user.args[2] is node:
+        if user.op == "call_function" and is_expand(target) and len(user.args) > 2 and user.args[2] is node:
             return True
         if depth and user.op == "call_method" and target in _PASS_THROUGH and user.args[0] is node:
             if feeds_lora_expand(user, depth - 1):
@@ -209,17 +204,11 @@ def _emit(graph: fx.Graph, ctx: RewriteContext, op: BaseOp, ref: LoRAWeightRef, 
                                  shrunk, stacked_b, base2d, idx, True)
         return fx_utils.call(graph, "call_method", "view_as", expanded, y)
     x2d = fx_utils.call(graph, "call_method", "reshape", op.tokens, -1, ref.in_features)
-    kernel, inputs = site_kernel_inputs(graph, ctx, op.tokens, x2d, op.n_feature_dims, device)
-    idx = None
-    if kernel == "masked" or ref.lora_bias or ref.dora:
-        idx, reason = site_indices(graph, ctx, op.tokens, x2d, op.n_feature_dims, device)
-        if idx is None:
-            return reason
-    if kernel == "masked":
-        inputs = (idx,)
-    stacked_a, stacked_b, base2d = stacks_and_base(graph, _AsMatch(y), ref, device,
-                                                   transposed=KERNEL_OPS[kernel][2])
-    _, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, kernel, inputs)
+    emitted = emit_lora_delta(graph, ctx, _AsMatch(y), ref, op.tokens, x2d, op.n_feature_dims, device,
+                              ref.lora_bias or ref.dora)
+    if isinstance(emitted, str):
+        return emitted
+    expanded, idx = emitted
     if ref.lora_bias:
         stacked = stacked_input(graph, ref, STACKED_BIAS, (ref.num_slots, ref.out_features), device)
         expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_bias.default,

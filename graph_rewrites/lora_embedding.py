@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from . import fx_utils
 from .annotations import LORA_WEIGHT, LoRAWeightRef
-from .lora_linear import COMBINE_FORMS, LinearMatch, apply_matches, find_matches, stacks_and_base, weights_reason
+from .kernels import stacks_and_base
+from .lora_linear import COMBINE_FORMS, LinearMatch, apply_matches, find_matches, weights_reason
 from .report import RewriteContext
 from .site_inputs import device_of, site_indices
 

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 from . import fx_utils
-from .annotations import (LORA_WEIGHT, STACKED_A, STACKED_A_T, STACKED_B, STACKED_B_T, STACKED_BIAS, STACKED_DORA,
-                          LoRAWeightRef)
+from .annotations import LORA_WEIGHT, STACKED_BIAS, STACKED_DORA, LoRAWeightRef
+from .kernels import emit_lora_delta
 from .report import NearMiss, RewriteContext, SiteRewrite
-from .site_inputs import device_of, dims_key, site_indices, site_kernel_inputs, stacked_input
+from .site_inputs import device_of, dims_key, stacked_input
 
 PATTERN_NAME = "lora_linear"
 
@@ -156,66 +156,23 @@ def should_rewrite_lora_linear(m: LinearMatch) -> bool:
 def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext):
     """Insert the shrink/expand nodes before ``m.output``; returns (new output, None) or (None, reason).
 
-    Sites on the graph's token layout use the kernel ``ctx.kernel`` names
-    (row, segment, blocked or masked); a row selection (``lm_head`` on the
-    last rows) reads the token indices, and so does a LoRA bias.
+    Sites the rewrite's kernel applies to use it (``ctx.kernel``); the others
+    (a row selection such as ``lm_head`` on the last rows) the fallback, fed
+    the token indices, which a LoRA bias and DoRA read too.
     """
     ref: LoRAWeightRef = m.weight
     device = device_of(m.x)
     with graph.inserting_before(m.output):
         x2d = fx_utils.call(graph, "call_method", "reshape", m.x, -1, ref.in_features)
-        kernel, inputs = site_kernel_inputs(graph, ctx, m.x, x2d, 1, device)
-        idx = None
-        if kernel == "masked" or _has_bias(m, ref) or ref.dora:
-            idx, reason = site_indices(graph, ctx, m.x, x2d, 1, device)
-            if idx is None:
-                graph.erase_node(x2d)
-                return None, reason
-        if kernel == "masked":
-            inputs = (idx,)
-        stacked_a, stacked_b, base2d = stacks_and_base(graph, m, ref, device, transposed=KERNEL_OPS[kernel][2])
-        shrunk, expanded = emit_shrink_expand(graph, x2d, stacked_a, stacked_b, base2d, kernel, inputs)
+        emitted = emit_lora_delta(graph, ctx, m, ref, m.x, x2d, 1, device, _has_bias(m, ref) or ref.dora)
+        if isinstance(emitted, str):
+            graph.erase_node(x2d)
+            return None, emitted
+        expanded, idx = emitted
         expanded = add_site_bias(graph, m, ref, expanded, idx, device)
         expanded = apply_site_dora(graph, ref, expanded, idx, device)
         out = fx_utils.call(graph, "call_method", "view_as", expanded, m.base)
     return out, None
-
-
-# Per kernel: its shrink and expand ops (each takes the kernel's per-step inputs after the weights, the
-# expand after y too) and whether it reads the transposed stacks ([N, in, R] / [N, R, out]).
-KERNEL_OPS = {
-    "masked": ("bgmv_shrink", "bgmv_expand", False),
-    "rows": ("bgmv_shrink_rows", "bgmv_expand_rows", True),
-    "segments": ("bgmv_shrink_segments", "bgmv_expand_segments", True),
-    "blocked": ("bgmv_shrink_blocked", "bgmv_expand_blocked", False),
-}
-
-
-def emit_shrink_expand(graph: fx.Graph, x2d, stacked_a, stacked_b, base2d, kernel: str, inputs):
-    """The (shrink, expand) pair of ``kernel`` (a ``KERNEL_OPS`` key) fed its per-step ``inputs``."""
-    shrink, expand = (getattr(torch.ops.xla_lora, name).default for name in KERNEL_OPS[kernel][:2])
-    shrunk = fx_utils.call(graph, "call_function", shrink, x2d, stacked_a, *inputs, 1.0)
-    return shrunk, fx_utils.call(graph, "call_function", expand, shrunk, stacked_b, base2d, *inputs, True)
-
-
-def stacks_and_base(graph: fx.Graph, m: LinearMatch, ref: LoRAWeightRef, device, transposed: bool = False):
-    """The site's stacked A and B inputs, and the base output as ``[T, out]`` in the output's dtype.
-
-    ``transposed``: the row kernel's ``[N, in, R]`` / ``[N, R, out]`` stacks instead.
-    """
-    n, r = ref.num_slots, ref.stacked_rank
-    if transposed:
-        stacked_a = stacked_input(graph, ref, STACKED_A_T, (n, ref.in_features, r), device)
-        stacked_b = stacked_input(graph, ref, STACKED_B_T, (n, r, ref.out_features), device)
-    else:
-        stacked_a = stacked_input(graph, ref, STACKED_A, (n, r, ref.in_features), device)
-        stacked_b = stacked_input(graph, ref, STACKED_B, (n, ref.out_features, r), device)
-    base2d = fx_utils.call(graph, "call_method", "reshape", m.base, -1, ref.out_features)
-    out_dtype = fx_utils.example_value(m.output).dtype
-    if fx_utils.example_value(m.base).dtype != out_dtype:
-        # The eager add promotes (bf16 base + fp32 LoRA -> fp32): keep that dtype.
-        base2d = fx_utils.call(graph, "call_method", "to", base2d, out_dtype)
-    return stacked_a, stacked_b, base2d
 
 
 def _has_bias(m: LinearMatch, ref: LoRAWeightRef) -> bool:

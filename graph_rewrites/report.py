@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    from .kernels import KernelSpec
 
 
 @dataclasses.dataclass
@@ -35,19 +38,22 @@ class RewriteContext:
 
     max_num_tokens: int
     report: "RewriteReport"
+    # The kernel this rewrite emits for the sites it applies to (its KernelSpec.site_inputs says which), and
+    # every kernel of the table (xla_lora_pass/kernels.py) in order, the fallback last: it reads the token
+    # indices, so it serves every site the chosen kernel does not.
+    kernel: "KernelSpec"
+    kernels: Tuple["KernelSpec", ...]
     token_layout: Optional[Tuple] = None  # example dims (int/SymInt) the mapping is laid out over
     # Nodes whose rows are token_layout flattened row-major (flat_tokens.py): OPT's [B*S, H].
     flat_token_nodes: FrozenSet = frozenset()
-    # "auto": the row kernel where the site is on a [B, S] layout (the backend falls back to a "masked"
-    # rewrite for mappings that mix adapters within a row); "masked": every slot's columns;
-    # "blocked": tokens sorted by slot into row blocks; "segments": blocks of consecutive tokens, each with
-    # at most segment_slots_per_block slots (packed batches).
-    kernel: str = "masked"
-    row_kernel_min_tokens: int = 1  # "auto" keeps the masked kernel for a static row length below this
-    block_size: int = 32
-    num_slots: int = 0  # for the blocked layout's block count
+    row_kernel_min_tokens: int = 1  # the row kernel leaves a static row length below this to the fallback
     segment_block_tokens: int = 32  # the segment kernel's block length and passes per block
     segment_slots_per_block: int = 2
+
+    @property
+    def fallback(self) -> "KernelSpec":
+        """The kernel of every site ``kernel`` does not apply to."""
+        return self.kernels[-1]
 
 
 @dataclasses.dataclass

@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .annotations import (BASE_WEIGHT, LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT, ROW_SLOTS,
-                          SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
+from .annotations import (BASE_WEIGHT, LORA_WEIGHT, ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES,
+                          GraphInputRequest, LoRAWeightRef)
 from .report import RewriteContext
 
 
@@ -154,52 +154,25 @@ def _row_selection(tokens: fx.Node, layout, n_feature_dims: int):
     return source, token_part
 
 
-def _kernel_on_layout(ctx: RewriteContext, kernel: str, tokens: fx.Node, n_feature_dims: int) -> bool:
-    """Whether ``ctx.kernel`` is ``kernel`` and the site's token dims are the graph's token layout."""
+def _on_token_layout(ctx: RewriteContext, tokens: fx.Node, n_feature_dims: int) -> bool:
+    """Whether the site's token dims are the graph's token layout."""
     shape = _shape(tokens)
-    if ctx.kernel != kernel or shape is None or ctx.token_layout is None:
+    if shape is None or ctx.token_layout is None:
         return False
     return dims_key(shape[: len(shape) - n_feature_dims]) == dims_key(ctx.token_layout)
-
-
-def site_block_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
-                      device) -> Optional[Tuple[fx.Node, fx.Node, fx.Node]]:
-    """The blocked kernel's (row_token, block_slot, token_row) for a site on the graph's token layout.
-
-    None when the blocked kernel is off or the site's tokens are not the
-    layout's (a row selection keeps the masked kernel and its indices).  The
-    inputs are fixed-size buffers; the graph narrows them to this bucket's
-    ``ceil(T / BS) + N`` blocks and T tokens.
-    """
-    if not _kernel_on_layout(ctx, "blocked", tokens, n_feature_dims):
-        return None
-    bs, n = ctx.block_size, ctx.num_slots
-    max_blocks = -(-ctx.max_num_tokens // bs) + n
-    sizes = {LAYOUT_ROW_TOKEN: (max_blocks * bs,), LAYOUT_BLOCK_SLOT: (max_blocks,),
-             LAYOUT_TOKEN_ROW: (ctx.max_num_tokens,)}
-    inputs = {kind: fx_utils.get_or_add_input(graph, f"lora_{kind}", GraphInputRequest(kind, None, size), device)
-              for kind, size in sizes.items()}
-    count = fx_utils.call(graph, "call_method", "size", flat, 0)
-    blocks = fx_utils.call(graph, "call_function", operator.add,
-                           fx_utils.call(graph, "call_function", operator.floordiv,
-                                         fx_utils.call(graph, "call_function", operator.add, count, bs - 1), bs), n)
-    rows = fx_utils.call(graph, "call_function", operator.mul, blocks, bs)
-    return (fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_ROW_TOKEN], 0, 0, rows),
-            fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_BLOCK_SLOT], 0, 0, blocks),
-            fx_utils.call(graph, "call_method", "narrow", inputs[LAYOUT_TOKEN_ROW], 0, 0, count))
 
 
 def site_segment_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
                         device) -> Optional[Tuple[fx.Node, fx.Node]]:
     """The segment kernel's (block_slots ``[NB, K]``, pick ``[T]``) for a site on the graph's token layout.
 
-    None when the segment kernel is off or the site's tokens are not the
+    None when the site's tokens are not the
     layout's (a row selection keeps the token indices).  Any layout, flat
     ``[T]`` included: blocks run over the flattened tokens.  The inputs are
     fixed-size buffers the graph narrows to ``ceil(T / block_tokens)`` blocks
     and T tokens (``ops_segments.segment_blocks``).
     """
-    if not _kernel_on_layout(ctx, "segments", tokens, n_feature_dims):
+    if not _on_token_layout(ctx, tokens, n_feature_dims):
         return None
     bt, k = ctx.segment_block_tokens, ctx.segment_slots_per_block
     max_blocks = -(-ctx.max_num_tokens // bt)
@@ -216,13 +189,13 @@ def site_segment_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, f
             fx_utils.call(graph, "call_method", "narrow", pick, 0, 0, count))
 
 
-def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feature_dims: int,
-                   device) -> Optional[fx.Node]:
-    """The row kernel's int32 ``[B]`` row slots for a site on the graph's token layout, else None.
+def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
+                   device) -> Optional[Tuple[fx.Node]]:
+    """The row kernel's int32 ``[B]`` row slots (a 1-tuple) for a site on the graph's token layout, else None.
 
     A row is the innermost token dim (S of ``[B, S]``); B is the product of
     the outer ones, read off ``tokens`` so it follows the bucket.  None when
-    the row kernel is off, the layout is flat (``[T]``: no rows to tie the
+    the layout is flat (``[T]``: no rows to tie the
     tokens to requests), rows are a static length under
     ``ctx.row_kernel_min_tokens`` (1 by default: the decode step's ``[B, 1]``
     graph takes the row kernel too), or the site's tokens are neither the
@@ -232,7 +205,7 @@ def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feat
     """
     shape = _shape(tokens)
     layout = ctx.token_layout
-    if ctx.kernel != "auto" or shape is None or layout is None or len(layout) < 2:
+    if shape is None or layout is None or len(layout) < 2:
         return None
     if not isinstance(layout[-1], torch.SymInt) and int(layout[-1]) < ctx.row_kernel_min_tokens:
         return None
@@ -245,7 +218,7 @@ def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, n_feat
     for d in range(1, len(layout) - 1):
         rows = fx_utils.call(graph, "call_function", operator.mul, rows,
                              fx_utils.call(graph, "call_method", "size", tokens, d))
-    return fx_utils.call(graph, "call_method", "narrow", slots, 0, 0, rows)
+    return (fx_utils.call(graph, "call_method", "narrow", slots, 0, 0, rows),)
 
 
 def _other_stack(tokens: fx.Node, lead, layout, n_feature_dims: int) -> bool:
@@ -272,20 +245,3 @@ def stacked_input(graph: fx.Graph, ref: LoRAWeightRef, kind: str, shape, device)
 def device_of(node: fx.Node):
     value = fx_utils.example_value(node)
     return value.device if isinstance(value, torch.Tensor) else None
-
-
-def site_kernel_inputs(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
-                       device) -> Tuple[str, tuple]:
-    """(kernel, its per-step input nodes) for a site under ``ctx.kernel``: "rows", "segments" or "blocked"
-    for a site on the graph's token layout when that kernel applies, else ("masked", ()): the caller
-    feeds the masked kernel the token indices (``site_indices``)."""
-    row_slots = site_row_slots(graph, ctx, tokens, n_feature_dims, device)
-    if row_slots is not None:
-        return "rows", (row_slots,)
-    segments = site_segment_layout(graph, ctx, tokens, flat, n_feature_dims, device)
-    if segments is not None:
-        return "segments", segments
-    layout = site_block_layout(graph, ctx, tokens, flat, n_feature_dims, device)
-    if layout is not None:
-        return "blocked", layout
-    return "masked", ()

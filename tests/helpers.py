@@ -72,7 +72,7 @@ def lora_weight_uses(gm: fx.GraphModule) -> int:
 def run_rewritten(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims):
     """Run a rewritten graph eagerly, feeding the metadata's extra inputs as the backend would."""
     from graph_rewrites import LORA_INPUT
-    from xla_lora_pass.backend import lora_graph_inputs
+    from xla_lora_pass.kernels import lora_graph_inputs
 
     device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor))
     requests = [n.meta[LORA_INPUT] for n in gm.graph.find_nodes(op="placeholder") if LORA_INPUT in n.meta]
@@ -93,8 +93,7 @@ def check_rewrite(fn: Callable, args: Sequence, meta: xlp.LoRAMetadata, *, rewri
     graphs = capture_graphs(fn, *args)
     assert len(graphs) == 1, f"expected one Dynamo graph, got {len(graphs)}"
     gm, example_inputs = graphs[0]
-    kernel = backend_kernel(meta, token_dims)
-    new_gm, report = xlp.rewrite(gm, example_inputs, meta, kernel=kernel)
+    new_gm, report, kernel = backend_rewrite(gm, example_inputs, meta, token_dims)
     assert report.error is None, report.error
     assert report.counts() == rewrites, report.format()
     if isinstance(ops, KernelCounts):
@@ -106,18 +105,16 @@ def check_rewrite(fn: Callable, args: Sequence, meta: xlp.LoRAMetadata, *, rewri
     return new_gm, report
 
 
-def backend_kernel(meta: xlp.LoRAMetadata, token_dims) -> str:
-    """The kernel the backend rewrites with for this mapping: config.kernel, or "masked" when
-    "auto" meets a mapping that is not one adapter per row."""
-    if xlp.config.kernel == "auto" and not meta.rows_uniform(tuple(token_dims)):
-        return "masked"
-    return xlp.config.kernel
+def backend_rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims):
+    """(rewritten graph, report, kernel name) the backend runs for this call: its own per-call choice
+    (``CompiledLoRAGraph.graph_for_call``) over its rewrites of ``gm`` under ``config.kernel``."""
+    from xla_lora_pass.backend import LoRABackend
+    from xla_lora_pass.kernels import FALLBACK
 
-
-_SHRINK = {"masked": "bgmv_shrink", "blocked": "bgmv_shrink_blocked", "rows": "bgmv_shrink_rows",
-           "segments": "bgmv_shrink_segments"}
-_EXPAND = {"masked": "bgmv_expand", "blocked": "bgmv_expand_blocked", "rows": "bgmv_expand_rows",
-           "segments": "bgmv_expand_segments"}
+    backend = LoRABackend(meta)
+    chosen = backend.rewrite_and_wrap(gm, example_inputs, xlp.config.kernel)
+    chosen = chosen.graph_for_call(tuple(token_dims), tuple(token_dims))
+    return chosen.gm, chosen.report, next(iter(chosen.kernels), FALLBACK)
 
 
 class KernelCounts:
@@ -127,16 +124,13 @@ class KernelCounts:
         self.shrink, self.expand = shrink, expand
 
     def resolve(self, kernel: str, report) -> Dict:
-        if kernel == "auto":  # the row kernel needs rows: a [B, S] layout, S symbolic or long enough
-            layout = report.token_layout
-            rows = layout is not None and len(layout) >= 2 and (
-                isinstance(layout[-1], torch.SymInt) or int(layout[-1]) >= xlp.config.row_kernel_min_tokens)
-            kernel = "rows" if rows else "masked"
+        from xla_lora_pass.kernels import SPECS
+
         out = {}
-        for family in _SHRINK:
-            mine = family == kernel
-            out[getattr(torch.ops.xla_lora, _SHRINK[family]).default] = self.shrink if mine else 0
-            out[getattr(torch.ops.xla_lora, _EXPAND[family]).default] = self.expand if mine else 0
+        for spec in SPECS:
+            mine = spec.name == kernel
+            out[spec.shrink_op] = self.shrink if mine else 0
+            out[spec.expand_op] = self.expand if mine else 0
         return out
 
 
@@ -146,8 +140,10 @@ def shrink_expand_counts(shrink: int, expand: int) -> KernelCounts:
 
 
 def count_shrinks(gm: fx.GraphModule) -> int:
-    """Shrink calls of any kernel (masked, blocked, rows or segments)."""
-    return sum(count_ops(gm, getattr(torch.ops.xla_lora, name).default) for name in _SHRINK.values())
+    """Shrink calls of any kernel of the table."""
+    from xla_lora_pass.kernels import SPECS
+
+    return sum(count_ops(gm, spec.shrink_op) for spec in SPECS)
 
 
 def strip_ids(text: str) -> str:

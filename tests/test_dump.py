@@ -72,9 +72,9 @@ def test_text_dump_lists_every_site_and_near_miss(near_miss_dump):
         assert f"near miss  {m.site}  [lora_linear]  {m.reason}" in text
     before, after = text.split("=== graph 0: before the rewrite ===")[1].split("=== graph 0: after the rewrite ===")
     assert "xla_lora.bgmv_" not in before
-    # Either kernel (config.kernel): masked bgmv_shrink/expand or their blocked forms.
-    assert len(re.findall(r"torch\.ops\.xla_lora\.bgmv_shrink(_blocked|_rows)?\.default\(", after)) == 2
-    assert len(re.findall(r"torch\.ops\.xla_lora\.bgmv_expand(_blocked|_rows)?\.default\(", after)) == 2
+    # Either kernel (config.kernel): masked bgmv_shrink/expand or their row forms.
+    assert len(re.findall(r"torch\.ops\.xla_lora\.bgmv_shrink(_rows)?\.default\(", after)) == 2
+    assert len(re.findall(r"torch\.ops\.xla_lora\.bgmv_expand(_rows)?\.default\(", after)) == 2
     assert "     256  129-256         50%" in text  # the bucket table
 
 
@@ -98,7 +98,7 @@ def test_dot_has_both_graphs_with_edges(near_miss_dump):
     assert dot.startswith("digraph xla_lora_dump {") and dot.rstrip().endswith("}")
     assert "subgraph cluster_0_before {" in dot and "subgraph cluster_0_after {" in dot
     assert dot.count("fillcolor=\"#7fd67f\"") == 4  # the BGMV calls
-    assert re.search(r'"g0_after_bgmv_shrink(_blocked|_rows)?_default" -> ', dot)
+    assert re.search(r'"g0_after_bgmv_shrink(_rows)?_default" -> ', dot)
 
 
 def _chromium():
@@ -157,7 +157,7 @@ def test_console_script_backend_mode_reports_compiles(tmp_path):
     assert "1 LoRA sites rewritten, 0 near misses" in text
     assert "compiles: 1" in text and "rewrites: {'lora_linear': 1}" in text
     assert "Buckets([8, 16, 32, 64])" in text
-    assert re.search(r"torch\.ops\.xla_lora\.bgmv_expand(_blocked|_rows)?\.default\(", text)
+    assert re.search(r"torch\.ops\.xla_lora\.bgmv_expand(_rows)?\.default\(", text)
 
 
 def test_open_writes_the_page_and_opens_it(monkeypatch, tmp_path, capsys):

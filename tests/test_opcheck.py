@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
-from xla_lora_pass.ops_blocked import build_layout
 from xla_lora_pass.ops_segments import build_segment_layout
 
 T, D, O, R, N = 6, 5, 7, 3, 4
@@ -29,8 +28,6 @@ def _samples():
     ids = torch.tensor([0, 4, 1, 3, 2, 4])
     emb_a = torch.randn(N, R, D, generator=g)  # [N, R, vocab]
     bias = torch.randn(N, O, generator=g)
-    lay = build_layout(idx, N)
-    layout = (lay.row_token, lay.block_slot, lay.token_row)
     segments = tuple(build_segment_layout(idx, block_tokens=4, slots_per_block=3))  # 2 blocks, the last padded
     return {
         "bgmv_shrink": [((x, a, idx, 1.0), {}), ((x, a, idx, 0.5), {})],
@@ -41,8 +38,6 @@ def _samples():
         "bgmv_dora": [((y, torch.randn(N, 2, O, generator=g), idx), {})],
         "bgmv_shrink_rows": [((x, a.transpose(1, 2).contiguous(), row_slots, 1.0), {})],
         "bgmv_expand_rows": [((xr, b.transpose(1, 2).contiguous(), y, row_slots, True), {})],
-        "bgmv_shrink_blocked": [((x, a, *layout, 1.0), {})],
-        "bgmv_expand_blocked": [((xr, b, y, *layout, True), {})],
         "bgmv_shrink_segments": [((x, a.transpose(1, 2).contiguous(), *segments, 0.5), {})],
         "bgmv_expand_segments": [((xr, b.transpose(1, 2).contiguous(), y, *segments, True), {}),
                                  ((xr, b.transpose(1, 2).contiguous(), y, *segments, False), {})],

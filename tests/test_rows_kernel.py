@@ -91,7 +91,7 @@ def test_per_row_mapping_runs_the_row_kernel_and_matches_eager(served):
         got = _logits(s, n)
         want = eager_reference(s["cpu"], s["ids"][:, :n], ROWS)
         assert (got - want).abs().max().item() < 1e-4
-    assert all(g.uses_rows for g in s["backend"].graphs)
+    assert all("rows" in g.kernels for g in s["backend"].graphs)
     assert all(not g.variants for g in s["backend"].graphs)  # no other rewrite was needed
     # A new per-row mapping compiles nothing.
     before = xla_compiles()
@@ -132,7 +132,7 @@ def test_mapping_mixed_within_rows_switches_to_the_masked_kernel_once(served):
     assert (got[0, 8:] - per_row[0, 8:]).abs().max().item() > 1e-3  # ...and its "chat" tail differs
     graph = next(g for g in s["backend"].graphs if "masked" in g.variants)
     masked = graph.variants["masked"]
-    assert not masked.uses_rows and masked.report.counts() == graph.report.counts()
+    assert "rows" not in masked.kernels and masked.report.counts() == graph.report.counts()
     # The masked rewrite of the same graph, run on its own through a fresh masked-kernel backend.
     saved = xlp.config.kernel
     try:

@@ -174,5 +174,5 @@ def test_flat_token_batches_switch_from_masked_to_segments(xla_device):
         got = compiled(x.to(xla_device)).cpu()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     graph, = backend.graphs
-    assert not graph.uses_rows and graph.variants["segments"].programs and not graph.programs
+    assert "rows" not in graph.kernels and graph.variants["segments"].programs and not graph.programs
     torch._dynamo.reset()

@@ -31,21 +31,19 @@ fallback_on_error = True
 # whenever TORCH_TRACE is set, whatever this says).
 dump_dir = os.environ.get("XLA_LORA_DUMP_DIR") or None
 
-# The BGMV kernel the pass emits for sites on the graph's token layout.
+# The BGMV kernel the pass emits for sites on the graph's token layout: "auto" or
+# one kernel of the table (xla_lora_pass/kernels.py, kernels.CHOICES).
 # "auto" (default): the row kernel (ops_rows.py) when the mapping gives each
 # row of the [B, S] token grid one adapter (one adapter per request, as PEFT's
 # adapter_names= and serving do) and rows hold at least row_kernel_min_tokens
-# padded tokens; otherwise the masked kernel, from a second rewrite of the same
-# graph made the first time such a call comes.  The row kernel gathers each
-# row's weights once and does only the LoRA's own FLOPs.
+# padded tokens; else the segment kernel when requests are packed as
+# contiguous segments; otherwise the masked kernel; each from its own rewrite
+# of the same graph, made the first time such a call comes.  The row kernel
+# gathers each row's weights once and does only the LoRA's own FLOPs.
 # "masked" multiplies every token by every slot's weights and selects: one
 # program for any mapping, N times the LoRA FLOPs.
 # "segments" cuts the tokens into blocks of segment_block_tokens consecutive tokens, each multiplied by at
-# most segment_slots_per_block slots' weights: packed batches (requests as contiguous segments of one token
-# row); "auto" switches to it per call, like to the masked kernel (docs/kernels.md).
-# "blocked" sorts tokens by slot into 32-row blocks, with the layout built once
-# per step on the host: 1/N of the LoRA FLOPs, but per-block weight gathers
-# and token reordering.
+# most segment_slots_per_block slots' weights: packed batches (docs/kernels.md).
 # Measured here (XLA on the CPU, hidden 512, 4 layers, all-linear r=16, 16
 # adapters, 512 tokens): docs/benchmarks.md.
 kernel = "auto"

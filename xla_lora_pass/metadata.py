@@ -323,11 +323,6 @@ class LoRAMetadata:
     rows_uniform = _forward("_tokens", TokenMapping.rows_uniform)
     row_slots = _forward("_tokens", TokenMapping.row_slots)
 
-    @_locked
-    def block_layout(self, device, real_dims: Tuple[int, ...], padded_dims: Tuple[int, ...]):
-        """The blocked kernel's layout for this step (row_token, block_slot, token_row) on ``device``."""
-        return self._tokens.block_layout(device, real_dims, padded_dims, len(self._adapters.slots))
-
     segments_fit = _forward("_tokens", TokenMapping.segments_fit)
     segment_layout = _forward("_tokens", TokenMapping.segment_layout)
 

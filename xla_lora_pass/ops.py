@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops_common import bgmv_expand_reference, bgmv_shrink_reference, compute_dtype, define_kernel_ops
+
 __all__ = [
     "bgmv_shrink",
     "bgmv_expand",
@@ -57,27 +59,9 @@ def _check_2d(name: str, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------------
-# Reference implementations: per-token gather, the definition of the ops.
+# Reference implementations: per-token gather, the definition of the ops
+# (shrink's and expand's, which every kernel shares, are in ops_common.py).
 # ---------------------------------------------------------------------------
-
-
-def bgmv_shrink_reference(x, w, idx, scale: float = 1.0):
-    """``[T, R] = scale * x @ w[idx].T``; rows with idx == -1 are zero."""
-    valid = idx >= 0
-    wt = w[idx.clamp(min=0).long()]  # [T, R, D]
-    out = torch.einsum("td,trd->tr", x.to(w.dtype), wt) * scale
-    return torch.where(valid.unsqueeze(-1), out, torch.zeros_like(out)).to(x.dtype)
-
-
-def bgmv_expand_reference(x, w, y, idx, add_inputs: bool = True):
-    """``y + x @ w[idx].T``; rows with idx == -1 get nothing added."""
-    valid = idx >= 0
-    wt = w[idx.clamp(min=0).long()]  # [T, O, R]
-    delta = torch.einsum("tr,tor->to", x.to(w.dtype), wt)
-    delta = torch.where(valid.unsqueeze(-1), delta, torch.zeros_like(delta))
-    if y is None or not add_inputs:
-        return delta.to(x.dtype if y is None else y.dtype)
-    return y + delta.to(y.dtype)
 
 
 def bgmv_expand_slice_reference(x, w, y, idx, offset: int, size: int, add_inputs: bool = True):
@@ -93,15 +77,9 @@ def bgmv_expand_slice_reference(x, w, y, idx, offset: int, size: int, add_inputs
 # ---------------------------------------------------------------------------
 
 
-def _compute_dtype(w: torch.Tensor) -> torch.dtype:
-    """Low-rank products in fp32 for bf16/fp16 weights: r is small, and the
-    delta then rounds once, as in the eager module's own add."""
-    return torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
-
-
 def _masked_shrink(x, w, idx, scale):
     num_slots, rank, _ = w.shape
-    dtype = _compute_dtype(w)
+    dtype = compute_dtype(w)
     all_cols = x.to(dtype) @ w.reshape(num_slots * rank, -1).t().to(dtype)  # [T, N*R]
     per_slot = all_cols.reshape(-1, num_slots, rank)
     mask = _slot_mask(idx, num_slots).unsqueeze(-1)
@@ -115,41 +93,18 @@ def _masked_shrink(x, w, idx, scale):
 def _masked_expand_delta(x, w, idx):
     num_slots, out_features, rank = w.shape
     mask = _slot_mask(idx, num_slots).unsqueeze(-1)  # [T, N, 1]
-    dtype = _compute_dtype(w)
+    dtype = compute_dtype(w)
     spread = torch.where(mask, x.to(dtype).unsqueeze(1), torch.zeros((), dtype=dtype, device=x.device))
     # [T, N*R] @ [N*R, O]: every slot's B in one matmul, other slots' rows are zero.
     w_cols = w.permute(0, 2, 1).reshape(num_slots * rank, out_features).to(dtype)
     return spread.reshape(x.shape[0], num_slots * rank) @ w_cols
 
 
-@torch.library.custom_op("xla_lora::bgmv_shrink", mutates_args=())
-def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``[T, R] = scale * x @ w[idx].T``; zero rows where idx == -1."""
-    _check_2d("bgmv_shrink", x, w, idx)
-    return _masked_shrink(x, w, idx, scale).to(x.dtype)
-
-
-@bgmv_shrink.register_fake
-def _bgmv_shrink_fake(x, w, idx, scale=1.0):
-    _check_2d("bgmv_shrink", x, w, idx)
-    return x.new_empty((x.shape[0], w.shape[1]))
-
-
-@torch.library.custom_op("xla_lora::bgmv_expand", mutates_args=())
-def bgmv_expand(
-    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, add_inputs: bool = True
-) -> torch.Tensor:
-    """``y + x @ w[idx].T`` (just the delta when add_inputs is False); -1 rows add nothing."""
-    _check_2d("bgmv_expand", x, w, idx)
-    torch._check(y.shape == (x.shape[0], w.shape[1]), lambda: f"bgmv_expand: y is {tuple(y.shape)}")
-    delta = _masked_expand_delta(x, w, idx).to(y.dtype)
-    return y + delta if add_inputs else delta
-
-
-@bgmv_expand.register_fake
-def _bgmv_expand_fake(x, w, y, idx, add_inputs=True):
-    _check_2d("bgmv_expand", x, w, idx)
-    return torch.empty_like(y)
+# The masked kernel: ``w`` is ``[N, out, in]`` (A ``[N, R, D]``, B ``[N, O, R]``), ``idx`` one slot per token.
+bgmv_shrink, bgmv_expand = define_kernel_ops("", ("idx",), _check_2d, _masked_shrink, _masked_expand_delta,
+                                             transposed=False)
+bgmv_shrink.__doc__ = "``[T, R] = scale * x @ w[idx].T``; zero rows where idx == -1."
+bgmv_expand.__doc__ = "``y + x @ w[idx].T`` (just the delta when add_inputs is False); -1 rows add nothing."
 
 
 @torch.library.custom_op("xla_lora::bgmv_expand_slice", mutates_args=())
@@ -266,7 +221,3 @@ def bgmv_dora(y: torch.Tensor, dora: torch.Tensor, idx: torch.Tensor) -> torch.T
 @bgmv_dora.register_fake
 def _bgmv_dora_fake(y, dora, idx):
     return torch.empty_like(y)
-
-
-# The blocked, row and segment kernels register torch.ops.xla_lora.bgmv_*_blocked / _rows / _segments alongside these.
-from . import ops_blocked, ops_rows, ops_segments  # noqa: E402,F401

@@ -5,7 +5,7 @@ The same semantics as ``bgmv_shrink`` / ``bgmv_expand`` in
 graph's ``[B, S]`` token layout, which is how multi-LoRA serving and PEFT's
 ``adapter_names=`` assign adapters: per request.  Registered as
 ``torch.ops.xla_lora.bgmv_*_rows``; the graph pass emits them when
-``config.kernel`` is ``"auto"`` (the default) or ``"rows"``, and the backend
+``config.kernel`` is ``"auto"`` (the default; the kernel table's first entry), and the backend
 runs them only for mappings that are constant per row (``LoRAMetadata.rows_uniform``).
 
 The tokens are ``T = B * L`` rows of x, row b holding tokens ``[b*L, (b+1)*L)``;
@@ -18,15 +18,14 @@ kernel time here.  Each row gathers ITS slot's weights
 once (``[B, R, D]`` and ``[B, O, R]``) and multiplies its L tokens by them in
 one batched matmul: ``T * R * (D + O)`` FLOPs, the LoRA's own, against
 ``T * N * R * (D + O)`` for the masked form (every slot's columns for every
-token) and no token reordering, unlike the blocked form.  Measured here (XLA
+token), and no token reordering.  Measured here (XLA
 on the CPU, docs/benchmarks.md): 1.08-1.22x the base model where masked is 1.37-1.53x.
 """
 from __future__ import annotations
 
 import torch
 
-# ops.py imports this module at its end, after defining the shared helper.
-from .ops import _compute_dtype
+from .ops_common import compute_dtype, define_kernel_ops
 
 __all__ = ["bgmv_shrink_rows", "bgmv_expand_rows", "rows_shrink", "rows_expand_delta"]
 
@@ -60,7 +59,7 @@ def _row_weights(w: torch.Tensor, row_slots: torch.Tensor, dtype: torch.dtype) -
 
 def rows_shrink(x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``[T, R] = scale * x @ w[slot of the token's row]`` for w ``[N, D, R]``; zero on rows with slot -1."""
-    dtype = _compute_dtype(w)
+    dtype = compute_dtype(w)
     # -1 rows zeroed on the [B, L, R] output, not the [B, L, D] input: a pass over R columns, not D.
     out = _zero_unused_rows(torch.bmm(_rows(x, row_slots, dtype), _row_weights(w, row_slots, dtype)), row_slots)
     out = out.reshape(x.shape[0], w.shape[2])
@@ -69,36 +68,13 @@ def rows_shrink(x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor, scale
 
 def rows_expand_delta(x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
     """``[T, O] = x @ w[slot of the token's row]`` for w ``[N, R, O]``; zero on rows with slot -1."""
-    dtype = _compute_dtype(w)
+    dtype = compute_dtype(w)
     # -1 rows zeroed on the [B, L, R] input, not the [B, L, O] output.
     delta = torch.bmm(_zero_unused_rows(_rows(x, row_slots, dtype), row_slots), _row_weights(w, row_slots, dtype))
     return delta.reshape(x.shape[0], w.shape[2])
 
 
-@torch.library.custom_op("xla_lora::bgmv_shrink_rows", mutates_args=())
-def bgmv_shrink_rows(x: torch.Tensor, w: torch.Tensor, row_slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``bgmv_shrink`` for a mapping constant per row: ``row_slots`` ``[B]``, x ``[B * L, D]``, w ``[N, D, R]``."""
-    _check("bgmv_shrink_rows", x, w, row_slots)
-    return rows_shrink(x, w, row_slots, scale).to(x.dtype)
-
-
-@bgmv_shrink_rows.register_fake
-def _bgmv_shrink_rows_fake(x, w, row_slots, scale=1.0):
-    _check("bgmv_shrink_rows", x, w, row_slots)
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-@torch.library.custom_op("xla_lora::bgmv_expand_rows", mutates_args=())
-def bgmv_expand_rows(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor,
-                     add_inputs: bool = True) -> torch.Tensor:
-    """``bgmv_expand`` for a mapping constant per row, w ``[N, R, O]``; rows with slot -1 add nothing."""
-    _check("bgmv_expand_rows", x, w, row_slots)
-    torch._check(y.shape == (x.shape[0], w.shape[2]), lambda: f"bgmv_expand_rows: y is {tuple(y.shape)}")
-    delta = rows_expand_delta(x, w, row_slots).to(y.dtype)
-    return y + delta if add_inputs else delta
-
-
-@bgmv_expand_rows.register_fake
-def _bgmv_expand_rows_fake(x, w, y, row_slots, add_inputs=True):
-    _check("bgmv_expand_rows", x, w, row_slots)
-    return torch.empty_like(y)
+# ``bgmv_shrink`` / ``bgmv_expand`` for a mapping constant per row: ``row_slots`` ``[B]``, x ``[B * L, D]``,
+# w ``[N, D, R]`` / ``[N, R, O]``; rows with slot -1 add nothing.
+bgmv_shrink_rows, bgmv_expand_rows = define_kernel_ops("_rows", ("row_slots",), _check, rows_shrink,
+                                                       rows_expand_delta, transposed=True)

@@ -35,8 +35,7 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-# ops.py imports this module at its end, after defining the shared helper.
-from .ops import _compute_dtype, bgmv_expand_reference, bgmv_shrink_reference
+from .ops_common import bgmv_expand_reference, bgmv_shrink_reference, compute_dtype, define_kernel_ops
 
 __all__ = ["SegmentLayout", "segment_blocks", "build_segment_layout", "segment_token_indices",
            "bgmv_shrink_segments", "bgmv_expand_segments", "bgmv_shrink_segments_reference",
@@ -137,7 +136,7 @@ def _block_weights(w: torch.Tensor, block_slots: torch.Tensor, dtype) -> torch.T
 
 def segments_shrink(x, w_t, block_slots, pick, scale: float = 1.0) -> torch.Tensor:
     """``[T, R]``: each token times its pass's slot of its block, w_t ``[N, D, R]``; zero where pick is -1."""
-    dtype = _compute_dtype(w_t)
+    dtype = compute_dtype(w_t)
     blocks, passes = block_slots.shape
     rank = w_t.shape[2]
     # [NB, D, K*R]: the K slots side by side, so one batched matmul serves every pass.
@@ -151,7 +150,7 @@ def segments_shrink(x, w_t, block_slots, pick, scale: float = 1.0) -> torch.Tens
 
 def segments_expand_delta(x, w_t, block_slots, pick) -> torch.Tensor:
     """``[T, O]``: each token's R values times its pass's slot's B, w_t ``[N, R, O]``; zero where pick is -1."""
-    dtype = _compute_dtype(w_t)
+    dtype = compute_dtype(w_t)
     blocks, passes = block_slots.shape
     rank = w_t.shape[1]
     spread = torch.where(_pass_mask(pick, blocks, passes), _blocked(x.to(dtype), blocks).unsqueeze(2),
@@ -160,31 +159,7 @@ def segments_expand_delta(x, w_t, block_slots, pick) -> torch.Tensor:
     return torch.bmm(spread, wk).reshape(-1, w_t.shape[2])[: x.shape[0]]
 
 
-@torch.library.custom_op("xla_lora::bgmv_shrink_segments", mutates_args=())
-def bgmv_shrink_segments(x: torch.Tensor, w: torch.Tensor, block_slots: torch.Tensor, pick: torch.Tensor,
-                         scale: float = 1.0) -> torch.Tensor:
-    """``bgmv_shrink`` through a step's segment layout; w ``[N, D, R]`` (the row kernel's transposed stack)."""
-    _check("bgmv_shrink_segments", x, w, block_slots, pick)
-    return segments_shrink(x, w, block_slots, pick, scale).to(x.dtype)
-
-
-@bgmv_shrink_segments.register_fake
-def _bgmv_shrink_segments_fake(x, w, block_slots, pick, scale=1.0):
-    _check("bgmv_shrink_segments", x, w, block_slots, pick)
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-@torch.library.custom_op("xla_lora::bgmv_expand_segments", mutates_args=())
-def bgmv_expand_segments(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_slots: torch.Tensor,
-                         pick: torch.Tensor, add_inputs: bool = True) -> torch.Tensor:
-    """``bgmv_expand`` through a step's segment layout; w ``[N, R, O]``; -1 tokens add nothing."""
-    _check("bgmv_expand_segments", x, w, block_slots, pick)
-    torch._check(y.shape == (x.shape[0], w.shape[2]), lambda: f"bgmv_expand_segments: y is {tuple(y.shape)}")
-    delta = segments_expand_delta(x, w, block_slots, pick).to(y.dtype)
-    return y + delta if add_inputs else delta
-
-
-@bgmv_expand_segments.register_fake
-def _bgmv_expand_segments_fake(x, w, y, block_slots, pick, add_inputs=True):
-    _check("bgmv_expand_segments", x, w, block_slots, pick)
-    return torch.empty_like(y)
+# ``bgmv_shrink`` / ``bgmv_expand`` through a step's segment layout; w ``[N, D, R]`` / ``[N, R, O]`` (the row
+# kernel's transposed stacks); tokens whose pick is -1 add nothing.
+bgmv_shrink_segments, bgmv_expand_segments = define_kernel_ops(
+    "_segments", ("block_slots", "pick"), _check, segments_shrink, segments_expand_delta, transposed=True)

@@ -18,13 +18,11 @@ from graph_rewrites import (BASE_WEIGHT, LORA_WEIGHT, SAVED_PARAM, LoRAWeightRef
                             RewriteReport, SavedParamRef)
 
 from . import config
-from . import ops  # noqa: F401  (registers torch.ops.xla_lora before any pass runs)
+from . import kernels  # its import registers torch.ops.xla_lora before any pass runs
 from .formats.peft import lora_param_from_source
 from .metadata import LoRAMetadata
 
 log = logging.getLogger(__name__)
-
-KERNELS = ("auto", "masked", "segments", "blocked")
 
 
 def capture_graphs(fn, *args, **kwargs) -> List[Tuple[fx.GraphModule, list]]:
@@ -144,15 +142,13 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata,
             kernel: Optional[str] = None) -> Tuple[fx.GraphModule, RewriteReport]:
     """Rewrite every LoRA site of a copy of ``gm``; return the copy and the report.
 
-    ``kernel``: "auto", "masked", "segments" or "blocked" (default ``config.kernel``).
+    ``kernel``: one of ``kernels.CHOICES`` (default ``config.kernel``).
     """
-    kernel = config.kernel if kernel is None else kernel
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}: expected one of {KERNELS}")
+    spec = kernels.rewrite_kernel(config.kernel if kernel is None else kernel)
     new_gm = copy_graph_module(gm)
     annotate_lora_weights(new_gm, example_inputs, meta)
-    ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=kernel,
-                         num_slots=meta.num_slots, row_kernel_min_tokens=config.row_kernel_min_tokens,
+    ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=spec,
+                         kernels=kernels.SPECS, row_kernel_min_tokens=config.row_kernel_min_tokens,
                          segment_block_tokens=config.segment_block_tokens,
                          segment_slots_per_block=config.segment_slots_per_block)
     try:

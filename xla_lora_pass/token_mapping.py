@@ -1,7 +1,7 @@
 """The token mapping (which slot each token or batch row uses) and every per-step value built from it.
 
 Host first, device once: the mapping is built on the host and each value
-derived from it (token indices, row slots, the segment and blocked layouts)
+derived from it (token indices, row slots, the segment layout)
 is copied to the device once per mapping and bucket, into a buffer sized for
 ``max_num_tokens`` so its shape never changes (the graph narrows it).  All of
 them live in one :class:`StepCache`, dropped whenever the mapping changes.
@@ -17,7 +17,6 @@ from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence,
 import torch
 
 from .errors import UnsupportedMappingError
-from .ops_blocked import padded_layout
 from .ops_segments import SegmentLayout, build_segment_layout
 
 NO_LORA = -1
@@ -201,19 +200,6 @@ class TokenMapping:
             rows = self._padded_grid(real_dims, padded_dims).reshape(-1, padded_dims[-1])[:, 0]
             return self._full_buffer(rows).to(device)
         return self.cache.get(("row_slots", str(device), tuple(real_dims), tuple(padded_dims)), build)
-
-    def block_layout(self, device, real_dims, padded_dims, num_slots: int):
-        """The blocked kernel's layout for this step (row_token, block_slot, token_row) on ``device``.
-
-        Built once per mapping and bucket on the host (a few numpy ops on T
-        ints) and shared by every LoRA layer of every call until the mapping
-        changes; buffers sized for ``max_num_tokens`` so their shapes never
-        change (the graph narrows them).
-        """
-        def build():
-            layout = padded_layout(self._padded_grid(real_dims, padded_dims), num_slots, self.max_num_tokens)
-            return tuple(t.to(device) for t in layout)
-        return self.cache.get(("blocks", str(device), tuple(real_dims), tuple(padded_dims)), build)
 
     def _host_segment_layout(self, real_dims, padded_dims, block_tokens: int,
                              slots_per_block: int) -> Optional[SegmentLayout]:

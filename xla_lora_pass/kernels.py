@@ -1,0 +1,140 @@
+"""The kernel table: every BGMV kernel the pass emits, in one place.
+
+One entry per kernel:
+
+* its graph side (``graph_rewrites.kernels.KernelSpec``): the shrink/expand
+  ops, the weight layout (plain ``[N, R, in]`` / ``[N, out, R]`` or the
+  transposed stacks), the per-step graph inputs it adds and, through its
+  ``site_inputs`` function, to which sites it applies at rewrite (each input
+  is a fixed-size buffer the graph narrows to the bucket);
+* ``feeds``: the ``LoRAMetadata`` function that feeds each of its inputs;
+* ``fits``: per call, whether it is exact for the step's mapping.
+
+The order is the preference: with ``config.kernel = "auto"`` a graph is
+rewritten with the first kernel, and each call runs the first kernel whose
+``fits`` accepts the mapping (its rewrite made on first need); the last
+kernel is the fallback, exact for any mapping, and serves every site the
+others do not apply to.  Rewrite, backend, fusion and the tests read this
+table; a new kernel is its ops file (``ops_common.define_kernel_ops``) and
+one entry here (docs/kernels.md, "Adding a kernel").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from graph_rewrites import STACKED_A, STACKED_B, STACKED_BIAS, STACKED_DORA, TOKEN_INDICES
+from graph_rewrites.annotations import (POOLED_ROW_SLOTS, ROW_SLOTS, SAVED_MODULE_PARAM, SEGMENT_BLOCK_SLOTS,
+                                        SEGMENT_PICK, STACKED_A_T, STACKED_B_T, GraphInputRequest)
+from graph_rewrites.kernels import KernelSpec
+from graph_rewrites.site_inputs import site_row_slots, site_segment_layout
+
+from . import ops, ops_rows, ops_segments  # noqa: F401  (register the torch.ops.xla_lora ops the specs name)
+from .metadata import LoRAMetadata
+
+# (meta, request, device, real token dims, padded token dims) -> the tensor for one added placeholder.
+Feed = Callable[[LoRAMetadata, GraphInputRequest, torch.device, tuple, tuple], torch.Tensor]
+# (meta, the graph's request of the kernel's first input kind, real dims, padded dims) -> exact for the mapping.
+Fits = Callable[[LoRAMetadata, GraphInputRequest, tuple, tuple], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One entry of the table."""
+
+    spec: KernelSpec
+    feeds: Dict[str, Feed]  # one per kind in spec.input_kinds
+    fits: Optional[Fits] = None  # None: exact for any mapping (the fallback)
+
+
+def _segment_input(i: int) -> Feed:
+    return lambda meta, req, device, real, padded: meta.segment_layout(device, real, padded, *req.blocks)[i]
+
+
+KERNELS: Dict[str, Kernel] = {
+    # One adapter per row of the [B, S] token grid (ops_rows.py).
+    "rows": Kernel(
+        KernelSpec("rows", "bgmv_shrink_rows", "bgmv_expand_rows", transposed=True, site_inputs=site_row_slots,
+                   input_kinds=(ROW_SLOTS,)),
+        feeds={ROW_SLOTS: lambda meta, req, device, real, padded: meta.row_slots(device, real, padded)},
+        fits=lambda meta, req, real, padded: meta.rows_uniform(real)),
+    # Requests packed as contiguous segments of the flattened tokens (ops_segments.py).
+    "segments": Kernel(
+        KernelSpec("segments", "bgmv_shrink_segments", "bgmv_expand_segments", transposed=True,
+                   site_inputs=site_segment_layout, input_kinds=(SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)),
+        feeds={SEGMENT_BLOCK_SLOTS: _segment_input(0), SEGMENT_PICK: _segment_input(1)},
+        fits=lambda meta, req, real, padded: meta.segments_fit(real, padded, *req.blocks)),
+    # Every token times every slot's columns, then a select (ops.py): any mapping.
+    "masked": Kernel(KernelSpec("masked", "bgmv_shrink", "bgmv_expand", transposed=False), feeds={}),
+}
+
+AUTO = "auto"
+FIRST = next(iter(KERNELS))  # the kernel "auto" rewrites with
+FALLBACK = list(KERNELS)[-1]
+# config.kernel: "auto", or one kernel for every call.  Not the first alone: it is exact only for the
+# mappings its ``fits`` accepts, so it runs under "auto", which falls back for the others.
+CHOICES = (AUTO,) + tuple(KERNELS)[1:]
+SPECS: Tuple[KernelSpec, ...] = tuple(k.spec for k in KERNELS.values())
+
+# Inputs of any graph whatever its kernels: the token indices, the weight stacks in both layouts, LoRA bias,
+# DoRA, and saved modules' tensors.
+_SHARED_FEEDS: Dict[str, Feed] = {
+    TOKEN_INDICES: lambda meta, req, device, real, padded: meta.token_indices(device, real, padded),
+    POOLED_ROW_SLOTS: lambda meta, req, device, real, padded: meta.row_slots(device, real, padded, pooled=True),
+    SAVED_MODULE_PARAM: lambda meta, req, device, real, padded: meta.saved_tensor(req.site, *req.param, device),
+    STACKED_A: lambda meta, req, device, real, padded: meta.stacked_a(req.site, device),
+    STACKED_B: lambda meta, req, device, real, padded: meta.stacked_b(req.site, device),
+    STACKED_A_T: lambda meta, req, device, real, padded: meta.stacked_a(req.site, device, transposed=True),
+    STACKED_B_T: lambda meta, req, device, real, padded: meta.stacked_b(req.site, device, transposed=True),
+    STACKED_BIAS: lambda meta, req, device, real, padded: meta.stacked_bias(req.site, device),
+    STACKED_DORA: lambda meta, req, device, real, padded: meta.stacked_dora(req.site, device),
+}
+FEEDS: Dict[str, Feed] = {**_SHARED_FEEDS, **{kind: f for k in KERNELS.values() for kind, f in k.feeds.items()}}
+
+
+def rewrite_kernel(name: str) -> KernelSpec:
+    """The spec a rewrite under ``config.kernel = name`` emits; a clear error for an unknown name."""
+    if name not in CHOICES:
+        raise ValueError(f"unknown kernel {name!r}: expected one of {CHOICES}")
+    return KERNELS[FIRST if name == AUTO else name].spec
+
+
+def lora_graph_inputs(meta: LoRAMetadata, requests: Sequence[GraphInputRequest], device, token_dims,
+                      padded_dims) -> List[torch.Tensor]:
+    """The tensors for a rewritten graph's added placeholders, in their order."""
+    extras = []
+    for req in requests:
+        feed = FEEDS.get(req.kind)
+        if feed is None:
+            raise AssertionError(f"no feed for graph input request {req}: add it to a kernel's feeds")
+        extras.append(feed(meta, req, device, token_dims, padded_dims))
+    return extras
+
+
+def kernel_request(requests: Sequence[GraphInputRequest], name: str) -> Optional[GraphInputRequest]:
+    """The first of ``requests`` that is an input of kernel ``name`` (None: no site runs that kernel)."""
+    kinds = KERNELS[name].spec.input_kinds
+    return next((r for r in requests if r.kind in kinds), None)
+
+
+def kernels_run(requests: Sequence[GraphInputRequest]) -> frozenset:
+    """Names of the kernels with inputs among ``requests``, besides the fallback (which every graph may run)."""
+    return frozenset(name for name in KERNELS if kernel_request(requests, name) is not None)
+
+
+def choose(meta: LoRAMetadata, requests_of: Callable[[str], Sequence[GraphInputRequest]], token_dims,
+           padded_dims) -> str:
+    """The per-call choice: the first kernel whose rewrite runs it and whose ``fits`` accepts the mapping.
+
+    ``requests_of(name)`` is the graph inputs of the rewrite with kernel
+    ``name`` (made on first need); the fallback when none fits.
+    """
+    for name, kernel in KERNELS.items():
+        if kernel.fits is None:
+            break
+        request = kernel_request(requests_of(name), name)
+        if request is not None and kernel.fits(meta, request, token_dims, padded_dims):
+            return name
+    return FALLBACK

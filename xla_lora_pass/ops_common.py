@@ -1,0 +1,92 @@
+"""What every BGMV kernel's ops share: the compute dtype and the registration of a shrink/expand pair.
+
+Every kernel is a pair of ``torch.ops.xla_lora`` custom ops with one calling
+convention, which the graph pass relies on (``graph_rewrites.kernels``):
+
+* ``bgmv_shrink<suffix>(x [T, D], w, *inputs, scale=1.0) -> [T, R]``
+* ``bgmv_expand<suffix>(x [T, R], w, y [T, O], *inputs, add_inputs=True) -> [T, O]``
+
+where ``inputs`` are the kernel's per-step index tensors (the masked kernel's
+token indices, the row kernel's row slots, ...).  ``define_kernel_ops``
+registers both from the kernel's check and its two implementations; the
+references below define what every pair computes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence, Tuple
+
+import torch
+
+__all__ = ["compute_dtype", "define_kernel_ops", "bgmv_shrink_reference", "bgmv_expand_reference"]
+
+
+# Reference implementations: per-token gather, the definition of every kernel's shrink and expand.
+def bgmv_shrink_reference(x, w, idx, scale: float = 1.0):
+    """``[T, R] = scale * x @ w[idx].T``; rows with idx == -1 are zero."""
+    valid = idx >= 0
+    wt = w[idx.clamp(min=0).long()]  # [T, R, D]
+    out = torch.einsum("td,trd->tr", x.to(w.dtype), wt) * scale
+    return torch.where(valid.unsqueeze(-1), out, torch.zeros_like(out)).to(x.dtype)
+
+
+def bgmv_expand_reference(x, w, y, idx, add_inputs: bool = True):
+    """``y + x @ w[idx].T``; rows with idx == -1 get nothing added."""
+    valid = idx >= 0
+    wt = w[idx.clamp(min=0).long()]  # [T, O, R]
+    delta = torch.einsum("tr,tor->to", x.to(w.dtype), wt)
+    delta = torch.where(valid.unsqueeze(-1), delta, torch.zeros_like(delta))
+    if y is None or not add_inputs:
+        return delta.to(x.dtype if y is None else y.dtype)
+    return y + delta.to(y.dtype)
+
+
+
+def compute_dtype(w: torch.Tensor) -> torch.dtype:
+    """Low-rank products in fp32 for bf16/fp16 weights: r is small, and the
+    delta then rounds once, as in the eager module's own add."""
+    return torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+
+
+def define_kernel_ops(suffix: str, input_names: Sequence[str], check: Callable, shrink: Callable,
+                      expand_delta: Callable, transposed: bool) -> Tuple:
+    """Register ``bgmv_shrink<suffix>`` and ``bgmv_expand<suffix>``; returns the two ops.
+
+    ``check(name, x, w, *inputs)`` validates shapes (also under fake tensors);
+    ``shrink(x, w, *inputs, scale)`` and ``expand_delta(x, w, *inputs)``
+    compute in any dtype (the ops cast back).  ``transposed``: w is
+    ``[N, in, out]`` (the rank is its last dim for A, the output width its
+    last dim for B) instead of ``[N, out, in]``.
+    """
+    out_dim = 2 if transposed else 1
+    count = len(input_names)
+    tensors = "".join(f", Tensor {n}" for n in input_names)
+    shrink_name, expand_name = f"bgmv_shrink{suffix}", f"bgmv_expand{suffix}"
+
+    # An explicit schema calls the function with the arguments given, defaults left out: read them here.
+    def shrink_impl(x, w, *rest):
+        check(shrink_name, x, w, *rest[:count])
+        scale = rest[count] if len(rest) > count else 1.0
+        return shrink(x, w, *rest[:count], scale).to(x.dtype)
+
+    def shrink_fake(x, w, *rest):
+        check(shrink_name, x, w, *rest[:count])
+        return x.new_empty((x.shape[0], w.shape[out_dim]))
+
+    def expand_impl(x, w, y, *rest):
+        check(expand_name, x, w, *rest[:count])
+        torch._check(y.shape == (x.shape[0], w.shape[out_dim]), lambda: f"{expand_name}: y is {tuple(y.shape)}")
+        delta = expand_delta(x, w, *rest[:count]).to(y.dtype)
+        add_inputs = rest[count] if len(rest) > count else True
+        return y + delta if add_inputs else delta
+
+    def expand_fake(x, w, y, *rest):
+        check(expand_name, x, w, *rest[:count])
+        return torch.empty_like(y)
+
+    shrink_op = torch.library.custom_op(f"xla_lora::{shrink_name}", shrink_impl, mutates_args=(),
+                                        schema=f"(Tensor x, Tensor w{tensors}, float scale=1.0) -> Tensor")
+    shrink_op.register_fake(shrink_fake)
+    expand_op = torch.library.custom_op(f"xla_lora::{expand_name}", expand_impl, mutates_args=(),
+                                        schema=f"(Tensor x, Tensor w, Tensor y{tensors}, bool add_inputs=True) -> Tensor")
+    expand_op.register_fake(expand_fake)
+    return shrink_op, expand_op
