@@ -23,7 +23,7 @@ from .lora_bias import LORA_BIAS
 from .lora_dora import LORA_DORA
 from .lora_embedding import LORA_EMBEDDING
 from .lora_linear import LORA_LINEAR
-from .pattern_matcher import LinearMatch, Pattern, PatternError, rewrite_patterns
+from .pattern_matcher import LinearMatch, Pattern, rewrite_patterns
 from .report import NearMiss, RewriteContext, RewriteReport, SiteRewrite
 from .saved_modules import serve_saved_modules, unserved_saved_modules
 from .site_inputs import find_token_layout
@@ -111,6 +111,6 @@ def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, Union[LoRAWeightRe
 __all__ = [
     "BASE_WEIGHT", "SAVED_PARAM", "SavedParamRef", "GROUP_SEPARATOR", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A",
     "STACKED_B", "STACKED_BIAS", "STACKED_DORA", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
-    "LinearMatch", "NearMiss", "PASSES", "PATTERNS", "PassResult", "Pattern", "PatternError", "RewriteContext",
+    "LinearMatch", "NearMiss", "PASSES", "PATTERNS", "PassResult", "Pattern", "RewriteContext",
     "RewriteReport", "SiteRewrite", "run_passes", "unrewritten_lora_weights",
 ]

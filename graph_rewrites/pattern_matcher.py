@@ -70,10 +70,6 @@ class Pattern:
         return tuple(traced_form(fn) for fn in self.search_forms)
 
 
-class PatternError(RuntimeError):
-    """A pattern's check or replacement raised; the message names the matched output node."""
-
-
 @functools.lru_cache(maxsize=None)  # traced once per process; the matcher only reads them
 def traced_form(fn: Callable) -> fx.Graph:
     """``fn`` traced into the graph the matcher searches for."""
@@ -112,12 +108,19 @@ def find_matches(gm: fx.GraphModule, patterns: Sequence[fx.Graph]) -> List[Linea
 
 
 def _guarded(pattern: Pattern, m: LinearMatch, step: str, fn: Callable, *args):
-    """``fn(*args)``, with any exception re-raised naming the pattern and the matched output node."""
+    """``fn(*args)``; an exception keeps its type and gets the pattern and matched output node appended.
+
+    As ``torch.fx.Interpreter`` does ("While executing ..."): the type stays
+    what the code raised, so callers and logs see the real failure and where.
+    """
     try:
         return fn(*args)
     except Exception as exc:
-        raise PatternError(f"pattern {pattern.name}: the {step} failed on the site ending at "
-                           f"{m.output.format_node()}: {type(exc).__name__}: {exc}") from exc
+        where = f"pattern {pattern.name}, {step} of the site ending at {m.output.format_node()}"
+        exc.args = (f"{exc.args[0]} [{where}]" if exc.args else where,) + exc.args[1:]
+        if isinstance(exc, KeyError):  # str(KeyError) is the repr of its key: the message would read as one
+            raise RuntimeError(*exc.args) from exc
+        raise
 
 
 def apply_pattern(gm: fx.GraphModule, ctx: RewriteContext, pattern: Pattern) -> int:
@@ -155,5 +158,5 @@ def rewrite_patterns(gm: fx.GraphModule, ctx: RewriteContext, patterns: Sequence
     return modified
 
 
-__all__ = ["LinearMatch", "Pattern", "PatternError", "apply_pattern", "find_matches", "rewrite_patterns",
+__all__ = ["LinearMatch", "Pattern", "apply_pattern", "find_matches", "rewrite_patterns",
            "to_match", "traced_form"]
