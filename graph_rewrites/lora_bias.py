@@ -16,6 +16,7 @@ from .annotations import LORA_WEIGHT
 from .lora_linear import COMBINE_FORMS, lora_linear_replacement, weights_reason
 from .pattern_matcher import LinearMatch, Pattern
 
+
 def _make_pattern(combine_fn):
     def lora_bias_pattern(x, base, lora_a, lora_b, lora_bias, scale):
         return combine_fn(base, F.linear(F.linear(x, lora_a), lora_b, lora_bias), scale)
@@ -27,6 +28,7 @@ SEARCH_FORMS = tuple(_make_pattern(c) for c in COMBINE_FORMS)
 
 
 def near_miss_reason(m: LinearMatch) -> Optional[str]:
+    """Pattern 1's check, and the bias must be the same adapter's lora_B bias."""
     reason = weights_reason(m)
     if reason is not None:
         return reason

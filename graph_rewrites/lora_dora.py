@@ -24,6 +24,7 @@ from .lora_linear import lora_linear_replacement, weights_reason
 from .pattern_matcher import LinearMatch, Pattern
 from .report import RewriteContext
 
+
 def _dora_with_bias(x, base, lora_a, lora_b, mag_norm_scale, bias, scale):
     lora_result = F.linear(F.linear(x, lora_a), lora_b)
     return base + ((mag_norm_scale - 1) * (base - bias) + mag_norm_scale * lora_result * scale)
