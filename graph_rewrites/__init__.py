@@ -16,13 +16,14 @@ from .annotations import (BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, SAVED_PARAM, STA
                           STACKED_DORA, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef, SavedParamRef)
 from .flat_tokens import flat_token_nodes
 from .fuse_shared_shrink import fuse_shared_shrinks
-from .fx_utils import (canonicalize_weight_transposes, drop_none_bias, functionalize_fresh_updates,
-                       remove_eval_dropout)
+from .fx_utils import (canonicalize_lora_embeddings, canonicalize_weight_transposes, drop_none_bias,
+                       functionalize_fresh_updates, remove_eval_dropout)
 from .lora_attach import attach_lora_sites, unserved_base_sites
-from .lora_bias import rewrite_lora_bias
-from .lora_dora import rewrite_lora_dora
-from .lora_embedding import rewrite_lora_embedding
-from .lora_linear import rewrite_lora_linear
+from .lora_bias import LORA_BIAS
+from .lora_dora import LORA_DORA
+from .lora_embedding import LORA_EMBEDDING
+from .lora_linear import LORA_LINEAR
+from .pattern_matcher import LinearMatch, Pattern, rewrite_patterns
 from .report import NearMiss, RewriteContext, RewriteReport, SiteRewrite
 from .saved_modules import serve_saved_modules, unserved_saved_modules
 from .site_inputs import find_token_layout
@@ -41,26 +42,31 @@ class PassResult:
 def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     removed = remove_eval_dropout(gm)
     changed = (drop_none_bias(gm) + removed + functionalize_fresh_updates(gm)
-               + canonicalize_weight_transposes(gm)) > 0
+               + canonicalize_weight_transposes(gm) + canonicalize_lora_embeddings(gm)) > 0
     # The mapping's layout: the token dims most LoRA sites apply to.
     ctx.token_layout = ctx.report.token_layout = find_token_layout(gm)
     ctx.flat_token_nodes = frozenset(flat_token_nodes(gm, ctx.token_layout))
     return changed
 
 
+# The subgraph patterns, in the order the "patterns" pass runs them, each on
+# the graph the earlier ones left: the more specific linear forms (a LoRA bias,
+# DoRA's rescaling) before pattern 1's plain delta.
+# Each is switched by its name in ``config.passes`` (a missing name is on).
+PATTERNS: Tuple[Pattern, ...] = (LORA_EMBEDDING, LORA_BIAS, LORA_DORA, LORA_LINEAR)
+PATTERN_PASS = "patterns"
+
 # name -> pass, in the order they run.  ``normalize`` strips identities the
 # patterns would otherwise need variants for (eval dropout, a None bias, an
 # in-place ``+=`` on a fresh result, ``.T`` / ``.transpose(0, 1)`` of a LoRA
-# weight) and finds the token layout; ``lora_attach`` serves the registered
-# sites whose LoRA branch is not in the graph, after the patterns replaced the
+# weight, an embedding's gradient-only arguments) and finds the token layout;
+# ``patterns`` runs ``PATTERNS``; ``lora_attach`` serves the registered sites
+# whose LoRA branch is not in the graph, after the patterns replaced the
 # branches that are; ``saved_modules`` serves PEFT's modules_to_save; the
 # fusion runs after every site is rewritten.
-PASSES: List[Tuple[str, Callable[[fx.GraphModule, RewriteContext], bool]]] = [
+PASSES: List[Tuple[str, Callable[..., bool]]] = [
     ("normalize", _normalize),
-    ("lora_embedding", rewrite_lora_embedding),
-    ("lora_bias", rewrite_lora_bias),
-    ("lora_dora", rewrite_lora_dora),
-    ("lora_linear", rewrite_lora_linear),
+    (PATTERN_PASS, rewrite_patterns),  # called with the enabled PATTERNS too
     ("lora_attach", attach_lora_sites),
     ("saved_modules", serve_saved_modules),
     ("fuse_shared_shrink", fuse_shared_shrinks),
@@ -68,12 +74,13 @@ PASSES: List[Tuple[str, Callable[[fx.GraphModule, RewriteContext], bool]]] = [
 
 
 def run_passes(gm: fx.GraphModule, ctx: RewriteContext, enabled: Mapping[str, bool]) -> PassResult:
-    """Run every enabled pass over ``gm`` in place, in order; lint and recompile once at the end."""
+    """Run every enabled pass (and pattern) over ``gm`` in place, in order; lint and recompile once at the end."""
+    patterns = [p for p in PATTERNS if enabled.get(p.name, True)]
     modified = False
     for name, fn in PASSES:
         if not enabled.get(name, True):
             continue
-        changed = fn(gm, ctx)
+        changed = fn(gm, ctx, patterns) if name == PATTERN_PASS else fn(gm, ctx)
         log.debug("pass %s: %s", name, "modified" if changed else "no change")
         modified |= changed
     if modified:
@@ -104,6 +111,6 @@ def unrewritten_lora_weights(gm: fx.GraphModule) -> Dict[str, Union[LoRAWeightRe
 __all__ = [
     "BASE_WEIGHT", "SAVED_PARAM", "SavedParamRef", "LORA_INPUT", "LORA_WEIGHT", "STACKED_A",
     "STACKED_B", "STACKED_BIAS", "STACKED_DORA", "TOKEN_INDICES", "GraphInputRequest", "LoRAWeightRef",
-    "NearMiss", "PASSES", "PassResult", "RewriteContext", "RewriteReport", "SiteRewrite", "run_passes",
-    "unrewritten_lora_weights",
+    "LinearMatch", "NearMiss", "PASSES", "PATTERNS", "PassResult", "Pattern", "RewriteContext",
+    "RewriteReport", "SiteRewrite", "run_passes", "unrewritten_lora_weights",
 ]

@@ -6,6 +6,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .annotations import LORA_INPUT, LORA_WEIGHT, GraphInputRequest
 
@@ -37,6 +38,12 @@ def example_value(node: Any) -> Any:
     if isinstance(node, fx.Node):
         return node.meta.get(VALUE_KEY, node.meta.get("val"))
     return node
+
+
+def shape_of(node: Any):
+    """The node's example shape as a tuple (None without a tensor value), for the report."""
+    value = example_value(node)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def propagate_value(node: fx.Node) -> None:
@@ -176,4 +183,32 @@ def canonicalize_weight_transposes(gm: fx.GraphModule) -> int:
                     user.op == "call_method" and user.target == "t"):
                 user.op, user.target, user.args, user.kwargs = "call_method", "t", (placeholder,), {}
                 changed += 1
+    return changed
+
+
+# embedding's arguments that change only gradients.
+_FORWARD_NEUTRAL = {"padding_idx", "norm_type", "scale_grad_by_freq", "sparse"}
+# F.embedding's defaults, as the traced pattern records them.
+_DEFAULTS = {"padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False, "sparse": False}
+
+
+def canonicalize_lora_embeddings(gm: fx.GraphModule) -> int:
+    """``embedding(ids, A.T, padding_idx=p, ...)`` -> the same call with F.embedding's defaults, for LoRA A.
+
+    Those arguments change only gradients, so the forward value is the same;
+    ``max_norm`` (which renormalises rows) is kept, and makes a near miss.
+    """
+    changed = 0
+    for node in gm.graph.find_nodes(op="call_function", target=F.embedding):
+        weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        # LoRA weight transposes are all ``.t()`` by now (canonicalize_weight_transposes).
+        if not (isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target == "t"
+                and LORA_WEIGHT in getattr(weight.args[0], "meta", {})):
+            continue
+        extra = dict(zip(("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"), node.args[2:]))
+        extra.update(node.kwargs)
+        if extra.get("max_norm") is not None or not set(extra) <= _FORWARD_NEUTRAL | {"max_norm"}:
+            continue
+        node.args, node.kwargs = node.args[:2], dict(_DEFAULTS)
+        changed += 1
     return changed

@@ -242,15 +242,10 @@ def attach_lora_sites(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
                 ctx.report.near_misses.append(NearMiss(ref.site, PATTERN_NAME, reason, [op.op.name]))
                 continue
             ctx.report.sites.append(SiteRewrite(
-                site=ref.site, pattern=PATTERN_NAME, adapter=None, x_shape=_shape(op.tokens),
-                out_shape=_shape(op.op), rank=ref.stacked_rank, num_slots=ref.num_slots, replaced=[]))
+                site=ref.site, pattern=PATTERN_NAME, adapter=None, x_shape=fx_utils.shape_of(op.tokens),
+                out_shape=fx_utils.shape_of(op.op), rank=ref.stacked_rank, num_slots=ref.num_slots, replaced=[]))
             modified = True
     return modified
-
-
-def _shape(node: fx.Node):
-    value = fx_utils.example_value(node)
-    return None if not isinstance(value, torch.Tensor) else tuple(value.shape)
 
 
 __all__ = ["attach_lora_sites", "unserved_base_sites", "feeds_lora_expand", "base_op", "PATTERN_NAME"]

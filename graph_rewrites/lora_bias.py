@@ -7,19 +7,14 @@ becomes pattern 1's shrink/expand plus ``bgmv_bias``: per-slot bias rows
 """
 from __future__ import annotations
 
-import functools
-
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch.fx as fx
 import torch.nn.functional as F
 
 from .annotations import LORA_WEIGHT
-from .lora_linear import (COMBINE_FORMS, LinearMatch, apply_matches, find_matches, lora_linear_replacement,
-                          weights_reason)
-from .report import RewriteContext
-
-PATTERN_NAME = "lora_bias"
+from .lora_linear import COMBINE_FORMS, lora_linear_replacement, weights_reason
+from .pattern_matcher import LinearMatch, Pattern
 
 
 def _make_pattern(combine_fn):
@@ -29,12 +24,11 @@ def _make_pattern(combine_fn):
     return lora_bias_pattern
 
 
-@functools.lru_cache(maxsize=None)  # traced once per process; the matcher only reads them
-def lora_bias_patterns() -> Tuple[fx.Graph, ...]:
-    return tuple(fx.symbolic_trace(_make_pattern(c)).graph for c in COMBINE_FORMS)
+SEARCH_FORMS = tuple(_make_pattern(c) for c in COMBINE_FORMS)
 
 
 def near_miss_reason(m: LinearMatch) -> Optional[str]:
+    """Pattern 1's check, and the bias must be the same adapter's lora_B bias."""
     reason = weights_reason(m)
     if reason is not None:
         return reason
@@ -45,7 +39,5 @@ def near_miss_reason(m: LinearMatch) -> Optional[str]:
     return None
 
 
-def rewrite_lora_bias(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
-    """Rewrite every biased LoRA linear site of ``gm`` in place."""
-    return apply_matches(gm, ctx, find_matches(gm, lora_bias_patterns()), PATTERN_NAME, near_miss_reason,
-                         lora_linear_replacement)
+# Pattern 1's replacement: it adds the bias of every slot that has one.
+LORA_BIAS = Pattern("lora_bias", SEARCH_FORMS, near_miss_reason, lora_linear_replacement)

@@ -14,18 +14,15 @@ matmuls, a norm) goes with the match.
 """
 from __future__ import annotations
 
-import functools
-from typing import Optional, Set, Tuple
+from typing import Optional, Set
 
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import fx_utils
 from .annotations import LORA_WEIGHT
-from .lora_linear import LinearMatch, apply_matches, find_matches, lora_linear_replacement, weights_reason
+from .lora_linear import lora_linear_replacement, weights_reason
+from .pattern_matcher import LinearMatch, Pattern
 from .report import RewriteContext
-
-PATTERN_NAME = "lora_dora"
 
 
 def _dora_with_bias(x, base, lora_a, lora_b, mag_norm_scale, bias, scale):
@@ -38,9 +35,7 @@ def _dora_without_bias(x, base, lora_a, lora_b, mag_norm_scale, scale):
     return base + ((mag_norm_scale - 1) * base + mag_norm_scale * lora_result * scale)
 
 
-@functools.lru_cache(maxsize=None)  # traced once per process; the matcher only reads them
-def lora_dora_patterns() -> Tuple[fx.Graph, ...]:
-    return tuple(fx.symbolic_trace(p).graph for p in (_dora_with_bias, _dora_without_bias))
+SEARCH_FORMS = (_dora_with_bias, _dora_without_bias)
 
 
 def _placeholder_ancestors(node: fx.Node) -> Set[fx.Node]:
@@ -103,7 +98,4 @@ def _compute_ancestors(node: fx.Node):
     return seen
 
 
-def rewrite_lora_dora(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
-    """Rewrite every DoRA linear site of ``gm`` in place."""
-    return apply_matches(gm, ctx, find_matches(gm, lora_dora_patterns()), PATTERN_NAME, near_miss_reason,
-                         lora_dora_replacement)
+LORA_DORA = Pattern("lora_dora", SEARCH_FORMS, near_miss_reason, lora_dora_replacement)

@@ -8,32 +8,28 @@ becomes
     y = bgmv_expand(t, stacked_B, base(x)2d, idx)  (each slot's scaling is folded into stacked_B)
 
 The base op is left alone, whatever it is (``linear``, ``addmm`` for GPT-2's
-Conv1D, ...).  The patterns are example functions traced into graphs and
-matched with ``SubgraphMatcher``; ``near_miss_reason`` is the extra check.
+Conv1D, ...).  ``LORA_LINEAR`` declares the pattern for the engine
+(pattern_matcher.py): twelve search forms, ``near_miss_reason`` as the check,
+``lora_linear_replacement``.
 ``lm_head`` on selected rows (pattern 4) is this pattern with the row
 selection applied to the index grid (``site_inputs.site_indices``).
 """
 from __future__ import annotations
 
-import functools
-
-import dataclasses
 import itertools
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 from . import fx_utils
 from .annotations import LORA_WEIGHT, STACKED_BIAS, STACKED_DORA, LoRAWeightRef
 from .kernels import emit_lora_delta
-from .report import NearMiss, RewriteContext, SiteRewrite
+from .pattern_matcher import LinearMatch, Pattern
+from .report import RewriteContext
 from .site_inputs import device_of, dims_key, stacked_input
-
-PATTERN_NAME = "lora_linear"
 
 
 def _delta_linear(x, lora_a, lora_b):
@@ -77,44 +73,8 @@ def _make_pattern(delta_fn: Callable, combine_fn: Callable) -> Callable:
     return lora_linear_pattern
 
 
-@functools.lru_cache(maxsize=None)  # traced once per process; the matcher only reads them
-def lora_linear_patterns() -> Tuple[fx.Graph, ...]:
-    """Every traced form of the pattern: the delta's matmul form x where the scale stands."""
-    return tuple(fx.symbolic_trace(_make_pattern(d, c)).graph
-                 for d, c in itertools.product(DELTA_FORMS, COMBINE_FORMS))
-
-
-@dataclasses.dataclass
-class LinearMatch:
-    """One matched site: the graph nodes bound to the pattern's inputs and its output."""
-
-    x: fx.Node
-    base: fx.Node
-    lora_a: fx.Node
-    lora_b: fx.Node
-    scale: Optional[float]
-    output: fx.Node
-    nodes: List[fx.Node]  # every matched compute node, to erase once replaced
-    lora_bias: Optional[fx.Node] = None
-    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # a pattern's own inputs (DoRA's scale)
-
-    @property
-    def weight(self) -> Optional[LoRAWeightRef]:
-        return self.lora_a.meta.get(LORA_WEIGHT)
-
-
-def to_match(match: InternalMatch, pattern: fx.Graph) -> LinearMatch:
-    """Name the matched graph nodes after the pattern's placeholders."""
-    by_name = {p.name: match.nodes_map[p] for p in pattern.find_nodes(op="placeholder")}
-    compute = [n for p, n in match.nodes_map.items() if p.op not in ("placeholder", "output")]
-    scale = by_name["scale"]
-    is_number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
-    return LinearMatch(
-        x=by_name["x"], base=by_name["base"], lora_a=by_name["lora_a"], lora_b=by_name["lora_b"],
-        scale=float(scale) if is_number else None, output=match.returning_nodes[0], nodes=compute,
-        lora_bias=by_name.get("lora_bias"),
-        extra={k: v for k, v in by_name.items() if k not in ("x", "base", "lora_a", "lora_b", "scale", "lora_bias")},
-    )
+# Every form of the pattern: the delta's matmul form x where the scale stands.
+SEARCH_FORMS = tuple(_make_pattern(d, c) for d, c in itertools.product(DELTA_FORMS, COMBINE_FORMS))
 
 
 def _leading_key(node: fx.Node):
@@ -146,11 +106,6 @@ def near_miss_reason(m: LinearMatch) -> Optional[str]:
     if reason is None and _leading_key(m.x) != _leading_key(m.base):
         return f"token dims of x {_leading_key(m.x)} and of the base output {_leading_key(m.base)} differ"
     return reason
-
-
-def should_rewrite_lora_linear(m: LinearMatch) -> bool:
-    """The extra check beside the pattern (see near_miss_reason for why not)."""
-    return near_miss_reason(m) is None
 
 
 def lora_linear_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext):
@@ -204,54 +159,4 @@ def add_site_bias(graph, m: LinearMatch, ref: LoRAWeightRef, y2d, idx, device):
     return fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_bias.default, y2d, stacked, idx)
 
 
-def find_matches(gm: fx.GraphModule, patterns: Sequence[fx.Graph]) -> List[LinearMatch]:
-    """Every non-overlapping match of any of ``patterns``, in graph order."""
-    matches: List[LinearMatch] = []
-    claimed = set()
-    for pattern in patterns:
-        matcher = SubgraphMatcher(pattern, match_output=False, match_placeholder=False,
-                                  remove_overlapping_matches=True, ignore_literals=False)
-        for im in matcher.match(gm.graph):
-            m = to_match(im, pattern)
-            if any(n in claimed for n in m.nodes):
-                continue
-            claimed.update(m.nodes)
-            matches.append(m)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return sorted(matches, key=lambda m: order[m.output])
-
-
-def apply_matches(gm: fx.GraphModule, ctx: RewriteContext, matches: List[LinearMatch], pattern_name: str,
-                  reason_fn: Callable[[LinearMatch], Optional[str]], replace_fn: Callable) -> bool:
-    """Rewrite each match the check accepts; record sites and near misses.  Shared by patterns."""
-    modified = False
-    for m in matches:
-        ref = m.weight
-        reason = reason_fn(m)
-        new_out = None
-        if reason is None:
-            new_out, reason = replace_fn(gm.graph, m, ctx)
-        if reason is not None:
-            ctx.report.near_misses.append(NearMiss(ref.site if ref else None, pattern_name, reason,
-                                                   [n.name for n in m.nodes]))
-            continue
-        replaced = [n.name for n in m.nodes]
-        m.output.replace_all_uses_with(new_out)
-        fx_utils.erase_dead(m.nodes)
-        ctx.report.sites.append(SiteRewrite(
-            site=ref.site, pattern=pattern_name, adapter=ref.adapter, x_shape=_shape(m.x),
-            out_shape=_shape(new_out), rank=ref.stacked_rank, num_slots=ref.num_slots, replaced=replaced,
-        ))
-        modified = True
-    return modified
-
-
-def rewrite_lora_linear(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
-    """Rewrite every LoRA linear site of ``gm`` in place; record sites and near misses."""
-    return apply_matches(gm, ctx, find_matches(gm, lora_linear_patterns()), PATTERN_NAME, near_miss_reason,
-                         lora_linear_replacement)
-
-
-def _shape(node: fx.Node):
-    value = fx_utils.example_value(node)
-    return None if value is None else tuple(value.shape)
+LORA_LINEAR = Pattern("lora_linear", SEARCH_FORMS, near_miss_reason, lora_linear_replacement)

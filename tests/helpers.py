@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -118,10 +118,13 @@ def backend_rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRA
 
 
 class KernelCounts:
-    """Shrink/expand counts for the sites on the token layout, in whichever kernel the rewrite used."""
+    """Shrink/expand counts for the sites on the token layout, in whichever kernel the rewrite used.
 
-    def __init__(self, shrink: int, expand: int):
-        self.shrink, self.expand = shrink, expand
+    ``also``: counts of other ops, which win over those (an embedding's own shrink and masked expand).
+    """
+
+    def __init__(self, shrink: int, expand: int, also: Optional[Dict] = None):
+        self.shrink, self.expand, self.also = shrink, expand, dict(also or {})
 
     def resolve(self, kernel: str, report) -> Dict:
         from xla_lora_pass.kernels import SPECS
@@ -131,12 +134,12 @@ class KernelCounts:
             mine = spec.name == kernel
             out[spec.shrink_op] = self.shrink if mine else 0
             out[spec.expand_op] = self.expand if mine else 0
-        return out
+        return {**out, **self.also}
 
 
-def shrink_expand_counts(shrink: int, expand: int) -> KernelCounts:
+def shrink_expand_counts(shrink: int, expand: int, also: Optional[Dict] = None) -> KernelCounts:
     """Op counts for ``check_rewrite`` in the kernel the backend would use (sites on the token layout)."""
-    return KernelCounts(shrink, expand)
+    return KernelCounts(shrink, expand, also)
 
 
 def count_shrinks(gm: fx.GraphModule) -> int:

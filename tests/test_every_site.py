@@ -11,7 +11,8 @@ import xla_lora_pass as xlp
 from graph_rewrites import BASE_WEIGHT, SAVED_PARAM, unrewritten_lora_weights
 from graph_rewrites.saved_modules import find_region, saved_param_inputs
 
-from .helpers import assert_golden, capture_graphs, check_rewrite, count_ops, normalize_gm, run_rewritten
+from .helpers import (assert_golden, capture_graphs, check_rewrite, count_ops, normalize_gm, run_rewritten,
+                      shrink_expand_counts)
 from .models import TinyLM, peft_tiny_lm, per_row_eager
 
 ROWS = ["sql", "chat", None, "code"]
@@ -62,11 +63,16 @@ def test_sites_of_inactive_adapters_are_served(kernel):
         assert (got - want).abs().max().item() < 1e-4
 
 
-def test_attach_golden(update_golden):
+def test_attach_golden(update_golden, monkeypatch):
+    monkeypatch.setattr(xlp.config, "kernel", "masked")  # the kernel the golden was made with
     model = peft_tiny_lm([dict(name="sql", targets=["q"]), dict(name="chat", targets=["embed", "down"], r=4)])
     meta = _registered(model)
-    _, _, new_gm, report = _rewritten(model, meta, _ids(ROWS[:2]))
-    assert report.counts() == {"lora_linear": 1, "lora_attach": 2}
+    ids = _ids(ROWS[:2])
+    _mapped(meta, ROWS[:2], SEQ)
+    # q (the active adapter's branch) and down: a shrink each; embed: its own shrink and a masked expand.
+    ops = shrink_expand_counts(2, 3, also={torch.ops.xla_lora.bgmv_embedding_shrink.default: 1})
+    new_gm, _ = check_rewrite(model, [ids], meta, rewrites={"lora_linear": 1, "lora_attach": 2}, ops=ops,
+                              reference=per_row_eager(model, ids, ROWS[:2])[0], token_dims=(2, SEQ))
     assert_golden("lora_attach", normalize_gm(new_gm), update_golden)
 
 
@@ -159,13 +165,16 @@ def test_saved_modules_are_served_per_token_and_per_row(rows):
         assert (got - want).abs().max().item() < 1e-4
 
 
-def test_saved_module_golden(update_golden):
+def test_saved_module_golden(update_golden, monkeypatch):
+    monkeypatch.setattr(xlp.config, "kernel", "masked")  # the kernel the golden was made with
     model = peft_tiny_lm([dict(name="sql", targets=["q"], modules_to_save=["lm_head"]),
                           dict(name="chat", targets=["q"], modules_to_save=["classifier"])])
     meta = _registered(model)
-    _, _, new_gm, report = _rewritten(model, meta, _ids(ROWS[:2]))
-    assert report.counts() == {"lora_linear": 1, "saved_module": 2}
-    assert count_ops(new_gm, torch.where) == 2  # one per adapter with a copy, per module
+    ids = _ids(ROWS[:2])
+    _mapped(meta, ROWS[:2], SEQ)
+    ops = shrink_expand_counts(1, 1, also={torch.where: 2})  # a where per adapter with a copy, per module
+    new_gm, _ = check_rewrite(model, [ids], meta, rewrites={"lora_linear": 1, "saved_module": 2}, ops=ops,
+                              reference=per_row_eager(model, ids, ROWS[:2])[0], token_dims=(2, SEQ))
     assert_golden("saved_module", normalize_gm(new_gm), update_golden)
 
 

@@ -12,7 +12,7 @@ import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import tiny_llama_config
 
 from .helpers import (assert_golden, capture_graphs, check_rewrite, compile_lora, count_ops, count_shrinks,
-                      lora_weight_uses, normalize_gm)
+                      lora_weight_uses, normalize_gm, shrink_expand_counts)
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
                  "lm_head"]
@@ -120,13 +120,17 @@ def _mapped(meta, rows, seq):
     meta.set_token_adapters([r for r in rows for _ in range(seq)])
 
 
-@pytest.mark.parametrize("name, targets, kw, rewrites, shrinks", [
-    ("lora_embedding", ["embed"], {}, {"lora_embedding": 1}, 0),
-    ("fuse_shared_shrink", ["q", "k", "v"], {}, {"lora_linear": 3}, 1),
-    ("lora_bias", ["q", "v"], {"lora_bias": True}, {"lora_bias": 2}, 1),
-    ("lm_head_rows", ["head"], {"keep_last": True}, {"lora_linear": 1}, 1),
+@pytest.mark.parametrize("name, targets, kw, rewrites, ops", [
+    ("lora_embedding", ["embed"], {}, {"lora_embedding": 1},
+     shrink_expand_counts(0, 0, also={EMB_SHRINK: 1, torch.ops.xla_lora.bgmv_expand.default: 1})),
+    ("fuse_shared_shrink", ["q", "k", "v"], {}, {"lora_linear": 3}, shrink_expand_counts(1, 3)),
+    ("lora_bias", ["q", "v"], {"lora_bias": True}, {"lora_bias": 2},
+     shrink_expand_counts(1, 2, also={torch.ops.xla_lora.bgmv_bias.default: 2})),
+    ("lm_head_rows", ["head"], {"keep_last": True}, {"lora_linear": 1},  # selected rows: the masked kernel
+     shrink_expand_counts(0, 0, also={torch.ops.xla_lora.bgmv_shrink.default: 1,
+                                      torch.ops.xla_lora.bgmv_expand.default: 1})),
 ])
-def test_pattern_golden_and_numerics(name, targets, kw, rewrites, shrinks, update_golden):
+def test_pattern_golden_and_numerics(name, targets, kw, rewrites, ops, update_golden):
     keep_last = kw.pop("keep_last", False)
     model = _attn_model(targets, **kw)
     meta = xlp.LoRAMetadata(max_num_tokens=64)
@@ -137,8 +141,7 @@ def test_pattern_golden_and_numerics(name, targets, kw, rewrites, shrinks, updat
         reference = model(ids, keep_last, adapter_names=["__base__" if r is None else r for r in rows])
     _mapped(meta, rows, 4)
     new_gm, report = check_rewrite(lambda i: model(i, keep_last), [ids], meta, rewrites=rewrites,
-                                   ops={}, reference=reference, token_dims=(3, 4))
-    assert count_shrinks(new_gm) == shrinks
+                                   ops=ops, reference=reference, token_dims=(3, 4))
     assert lora_weight_uses(new_gm) == 0
     assert_golden(name, normalize_gm(new_gm), update_golden)
 

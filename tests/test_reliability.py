@@ -293,15 +293,16 @@ def test_register_refuses_non_finite_adapter_weights_and_drops_a_stale_mapping()
 INJECTED = "injected: a graph the pattern did not expect"
 
 
-def _raising_pass(gm, ctx):
+def _raising_check(match):
     raise RuntimeError(INJECTED)
 
 
 @pytest.fixture
 def broken_lora_linear(monkeypatch):
-    """The lora_linear pass raises on every graph, as it would on an unexpected one."""
-    passes = [(name, _raising_pass if name == "lora_linear" else fn) for name, fn in graph_rewrites.PASSES]
-    monkeypatch.setattr(graph_rewrites, "PASSES", passes)
+    """The lora_linear pattern raises on every match, as it would on an unexpected graph."""
+    patterns = tuple(dataclasses.replace(p, check=_raising_check) if p.name == "lora_linear" else p
+                     for p in graph_rewrites.PATTERNS)
+    monkeypatch.setattr(graph_rewrites, "PATTERNS", patterns)
 
 
 def test_failed_rewrite_falls_back_logs_once_and_stays_correct(broken_lora_linear, xla_device, caplog):

@@ -5,13 +5,12 @@ environment variable the package reads.
 """
 import os
 
-# Which graph_rewrites passes run (name -> on/off); a missing name is on.
+# Which graph_rewrites passes run (name -> on/off); a missing name is on.  Each
+# pattern of graph_rewrites.PATTERNS is switched by its own name here too
+# (e.g. "lora_linear": False), and "patterns": False switches them all off.
 passes = {
     "normalize": True,
-    "lora_embedding": True,
-    "lora_bias": True,
-    "lora_dora": True,
-    "lora_linear": True,
+    "patterns": True,
     # Off: a site whose adapters are all inactive (no LoRA branch in the graph) is left as its base op,
     # and the graph then accepts only a uniform mapping; never a wrong batch.
     "lora_attach": True,
