@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils
+from .fx_values import size_expr
 from .annotations import (BASE_WEIGHT, LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT, ROW_SLOTS,
                           SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
 from .report import RewriteContext
@@ -24,7 +25,7 @@ from .report import RewriteContext
 
 def dims_key(dims) -> Tuple[str, ...]:
     """A hashable key for a tuple of int/SymInt dims that adds no shape guards."""
-    return tuple(str(d.node.expr) if isinstance(d, torch.SymInt) else str(int(d)) for d in dims)
+    return tuple(str(size_expr(d)) for d in dims)
 
 
 def _shape(node) -> Optional[Tuple]:

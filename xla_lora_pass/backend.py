@@ -19,6 +19,7 @@ from graph_rewrites import (LORA_INPUT, STACKED_A, STACKED_B, STACKED_BIAS, STAC
                             unrewritten_lora_weights)
 from graph_rewrites.annotations import (LAYOUT_KINDS, POOLED_ROW_SLOTS, ROW_SLOTS, SAVED_MODULE_PARAM,
                                         SEGMENT_BLOCK_SLOTS, SEGMENT_KINDS, STACKED_A_T, STACKED_B_T)
+from graph_rewrites.fx_values import size_expr
 from graph_rewrites.site_inputs import find_token_layout
 
 from . import config, symbolic_layer_norm
@@ -350,7 +351,7 @@ def _leftover_token_layout(gm: fx.GraphModule) -> Optional[tuple]:
     dims = find_token_layout(gm)
     if dims is None:
         return None
-    return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in dims)
+    return tuple(size_expr(d) for d in dims)
 
 
 def lora_graph_inputs(meta: LoRAMetadata, requests, device, token_dims, padded_dims) -> List[torch.Tensor]:
