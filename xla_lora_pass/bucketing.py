@@ -8,7 +8,8 @@ pads inputs to the bucket and slices outputs back.
 Padding is exact for graphs whose tokens do not interact, or interact only
 through causal attention or an attention mask padded with zeros: padded
 positions sit after every real one, padded rows are separate sequences, and
-every output is sliced back.
+every output is sliced back.  ``padding_hazard`` (its own module) finds the
+graphs where that does not hold; those are compiled per exact shape.
 """
 from __future__ import annotations
 
