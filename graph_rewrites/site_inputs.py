@@ -17,9 +17,9 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .fx_values import size_expr
 from .annotations import (BASE_WEIGHT, LAYOUT_BLOCK_SLOT, LAYOUT_ROW_TOKEN, LAYOUT_TOKEN_ROW, LORA_WEIGHT, ROW_SLOTS,
                           SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
+from .fx_values import size_expr
 from .report import RewriteContext
 
 

@@ -9,7 +9,7 @@ import transformers as T
 
 from xla_lora_pass.demo_models import tiny_llama_config
 
-from .helpers import compile_lora, per_adapter_reference
+from .helpers import serve_stream
 from .models import _with_peft_adapters
 
 ROWS = ["sql", "chat", None]
@@ -54,15 +54,7 @@ def _serve(family, with_mask, xla_device):
         if with_mask:
             batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         batches.append(batch)
-    references = [per_adapter_reference(model, ROWS, lambda m, kw=kw: m(**kw).logits) for kw in batches]
-    meta, backend, compiled = compile_lora(model, xla_device, MAX_TOKENS)
-    worst = 0.0
-    for s, batch, ref in zip(LENGTHS, batches, references):
-        meta.set_token_adapters([r for r in ROWS for _ in range(s)])
-        with torch.no_grad():
-            out = compiled(**{k: v.to(xla_device) for k, v in batch.items()}).logits.cpu()
-        worst = max(worst, (out - ref).abs().max().item())
-    model.cpu()
+    worst, _, backend = serve_stream(model, xla_device, MAX_TOKENS, ROWS, batches)
     assert all(not g.report.near_misses for g in backend.graphs)
     dynamic = [g for g in backend.graphs if g.shapes.sources and g.report.sites]
     assert dynamic, "no graph of this model traced its token dims as symbols"
