@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from . import fx_utils
+from .fx_values import size_expr
 
 _RESHAPES = {"reshape", "view", torch.reshape}
 # Ops that move or mix rows: a reshape of their result does not flatten the layout in token order.
@@ -36,7 +37,7 @@ _ROW_WISE = {
 
 
 def _expr(d):
-    return d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
+    return sympy.sympify(size_expr(d))
 
 
 def _same(a: Sequence, b: Sequence) -> bool:

@@ -9,8 +9,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .annotations import LORA_INPUT, LORA_WEIGHT, GraphInputRequest
-
-VALUE_KEY = "example_value"  # Dynamo-level graphs keep their fake values here
+from .fx_values import VALUE_KEY, example_value
 
 
 def _graph_cache(graph: fx.Graph) -> dict:
@@ -31,13 +30,6 @@ def fake_mode_of(graph: fx.Graph):
             (m for m in (getattr(n.meta.get(VALUE_KEY), "fake_mode", None)
                          for n in graph.find_nodes(op="placeholder")) if m is not None), None)
     return cache["fake_mode"]
-
-
-def example_value(node: Any) -> Any:
-    """The node's fake value (Dynamo keeps it in ``example_value``); literals pass through."""
-    if isinstance(node, fx.Node):
-        return node.meta.get(VALUE_KEY, node.meta.get("val"))
-    return node
 
 
 def shape_of(node: Any):

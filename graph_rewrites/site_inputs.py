@@ -19,12 +19,13 @@ import torch.fx as fx
 from . import fx_utils
 from .annotations import (BASE_WEIGHT, LORA_WEIGHT, ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES,
                           GraphInputRequest, LoRAWeightRef)
+from .fx_values import size_expr
 from .report import RewriteContext
 
 
 def dims_key(dims) -> Tuple[str, ...]:
     """A hashable key for a tuple of int/SymInt dims that adds no shape guards."""
-    return tuple(str(d.node.expr) if isinstance(d, torch.SymInt) else str(int(d)) for d in dims)
+    return tuple(str(size_expr(d)) for d in dims)
 
 
 def _shape(node) -> Optional[Tuple]:

@@ -172,3 +172,22 @@ def per_adapter_reference(model, rows, run: Callable):
                 model.set_adapter(name)
                 outs[name] = run(model)
     return torch.stack([outs[r][i] for i, r in enumerate(rows)])
+
+
+def serve_stream(model, device, max_num_tokens: int, rows, batches):
+    """Run each batch (keyword inputs) through the compiled model with row i on adapter rows[i].
+
+    Returns (worst abs error of the logits against PEFT eager run once per
+    adapter, meta, backend); the model is back on the CPU afterwards.
+    """
+    references = [per_adapter_reference(model, rows, lambda m, kw=kw: m(**kw).logits) for kw in batches]
+    meta, backend, compiled = compile_lora(model, device, max_num_tokens)
+    worst = 0.0
+    for batch, ref in zip(batches, references):
+        s = batch["input_ids"].shape[1]
+        meta.set_token_adapters([r for r in rows for _ in range(s)])
+        with torch.no_grad():
+            out = compiled(**{k: v.to(device) for k, v in batch.items()}).logits.cpu()
+        worst = max(worst, (out - ref).abs().max().item())
+    model.cpu()
+    return worst, meta, backend

@@ -4,7 +4,7 @@ import torch
 import transformers as T
 from peft import LoraConfig, get_peft_model
 
-from .helpers import compile_lora, per_adapter_reference
+from .helpers import serve_stream
 
 ROWS = ["sql", "chat", None]
 MAX_TOKENS = 64  # buckets 8, 16, 32, 64 for the sequence dim
@@ -66,15 +66,7 @@ def test_layer_norm_model_buckets_a_stream_exactly(family, xla_device):
             batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         batches.append(batch)
     # PEFT eager, one run per adapter (OPT's [B*S, H] layers refuse PEFT's own adapter_names)
-    references = [per_adapter_reference(model, ROWS, lambda m, kw=kw: m(**kw).logits) for kw in batches]
-    meta, backend, compiled = compile_lora(model, xla_device, MAX_TOKENS)
-    worst = 0.0
-    for s, batch, ref in zip(lengths, batches, references):
-        meta.set_token_adapters([r for r in ROWS for _ in range(s)])
-        with torch.no_grad():
-            out = compiled(**{k: v.to(xla_device) for k, v in batch.items()}).logits.cpu()
-        worst = max(worst, (out - ref).abs().max().item())
-    model.cpu()
+    worst, meta, backend = serve_stream(model, xla_device, MAX_TOKENS, ROWS, batches)
     assert worst < 1e-4
     assert len(set(lengths)) > len(list(backend.buckets)) + 2  # more sizes than programs allowed
     assert meta.stats["compiles"] <= len(list(backend.buckets)) + 2, meta.stats

@@ -8,19 +8,21 @@ pads inputs to the bucket and slices outputs back.
 Padding is exact for graphs whose tokens do not interact, or interact only
 through causal attention or an attention mask padded with zeros: padded
 positions sit after every real one, padded rows are separate sequences, and
-every output is sliced back.
+every output is sliced back.  ``padding_hazard`` (its own module) finds the
+graphs where that does not hold; those are compiled per exact shape.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import sympy
 import torch
 import torch.fx as fx
 
-from graph_rewrites.fx_utils import example_value
+from graph_rewrites.fx_values import example_value, size_expr
+
+from .padding_hazard import padding_hazard
 
 Dim = Any  # an int or a sympy expression
 
@@ -92,13 +94,13 @@ class Buckets:
 
 def _dims_of(value) -> Optional[Tuple[Dim, ...]]:
     if isinstance(value, torch.Tensor):
-        return tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in value.shape)
+        return tuple(size_expr(s) for s in value.shape)
     return None
 
 
 def _expr_of(value) -> Optional[Dim]:
     if isinstance(value, torch.SymInt):
-        return value.node.expr
+        return size_expr(value)
     return None
 
 
@@ -149,7 +151,7 @@ class GraphShapes:
                 outputs.append(("other", None))
         layout = None
         if token_layout is not None:
-            layout = tuple(e.node.expr if isinstance(e, torch.SymInt) else int(e) for e in token_layout)
+            layout = tuple(size_expr(e) for e in token_layout)
         padded, why_not = cls._plan(inputs, outputs, sources, layout)
         if why_not is None and padded:
             why_not = padding_hazard(gm, set(padded))
@@ -218,74 +220,6 @@ class GraphShapes:
         return type(outs)(flat) if isinstance(outs, tuple) else flat
 
 
-# Ops that mix tokens along a dim: padding that dim would feed padded tokens into real ones.
-# Left out on purpose: cumsum/cumprod (prefix scans: padding after the real
-# tokens never reaches them) and softmax (attention's runs over keys that the
-# causal mask or the zero-padded attention mask already hides).
-_MIXING = {"sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "norm", "var",
-           "std", "argmax", "argmin", "topk", "sort", "nansum", "nanmean", "median", "all", "any", "count_nonzero"}
-
-
-def _token_dims(node, symbols) -> Optional[List[bool]]:
-    value = example_value(node) if isinstance(node, fx.Node) else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    return [isinstance(d, torch.SymInt) and bool(d.node.expr.free_symbols & symbols) for d in value.shape]
-
-
-def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
-    """Why padding ``symbols`` could change a real result, or None.
-
-    Three shapes are caught: a reduction or scan over a token dim, indexing
-    a token dim from its end (``h[:, -1:]``: after padding, the end is
-    padding), and an in-place write into a graph input that involves a token
-    dim (a KV cache's ``index_copy_`` at padded ``cache_position`` values would
-    overwrite real positions, and a padded input is a copy, so its write would
-    be lost).
-    """
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or not node.args:
-            continue
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        if _writes_input(node, name) and any(any(_token_dims(a, symbols) or ()) for a in node.all_input_nodes):
-            return f"{node.format_node()} writes a graph input in place with a token dim"
-        on_tokens = _token_dims(node.args[0], symbols)
-        if not on_tokens or not any(on_tokens):
-            continue
-        if name in _MIXING:
-            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-            dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (tuple, list)) else None
-            if dims is None or any(on_tokens[d] for d in dims if isinstance(d, int)):
-                return f"{node.format_node()} reduces over a token dim"
-        elif name == "getitem" and isinstance(node.args[1], tuple):
-            index = node.args[1]
-            if Ellipsis in index or None in index:
-                continue  # positions no longer line up with dims; these index no token dim from its end here
-            for d, entry in enumerate(index[: len(on_tokens)]):
-                if on_tokens[d] and _from_end(entry):
-                    return f"{node.format_node()} indexes a token dim from its end"
-        elif name in ("narrow", "select") and len(node.args) > 2:
-            d, start = node.args[1], node.args[2]
-            if isinstance(d, int) and on_tokens[d] and isinstance(start, int) and start < 0:
-                return f"{node.format_node()} indexes a token dim from its end"
-    return None
-
-
-def _writes_input(node: fx.Node, name: str) -> bool:
-    """An in-place op (``index_copy_``, ``t[i] = v``) whose target is a graph input."""
-    in_place = name == "setitem" or (name.endswith("_") and not name.startswith("_"))
-    target = node.args[0]
-    return in_place and isinstance(target, fx.Node) and target.op == "placeholder"
-
-
-def _from_end(entry) -> bool:
-    if isinstance(entry, int):
-        return entry < 0
-    if isinstance(entry, slice):
-        return any(isinstance(v, int) and v < 0 for v in (entry.start, entry.stop))
-    return False
-
-
 def _flat_outputs(gm: fx.GraphModule) -> List[Any]:
     result = gm.graph.output_node().args[0]
     return list(result) if isinstance(result, (tuple, list)) else [result]
@@ -301,7 +235,3 @@ def _zero_pad(t: torch.Tensor, target: Tuple[int, ...]) -> torch.Tensor:
     out = torch.zeros(target, dtype=host.dtype, device=host.device)
     out[tuple(slice(0, s) for s in host.shape)] = host
     return out.to(t.device) if t.device.type == "xla" else out
-
-
-def total_tokens(dims: Optional[Tuple[int, ...]]) -> int:
-    return math.prod(dims) if dims else 0

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from graph_rewrites import LORA_INPUT, RewriteReport, unrewritten_lora_weights
+from graph_rewrites.fx_values import size_expr
 from graph_rewrites.site_inputs import find_token_layout
 
 from . import config
@@ -236,7 +237,7 @@ def _leftover_token_layout(gm: fx.GraphModule) -> Optional[tuple]:
     dims = find_token_layout(gm)
     if dims is None:
         return None
-    return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in dims)
+    return tuple(size_expr(d) for d in dims)
 
 
 def _first_device(args) -> torch.device:

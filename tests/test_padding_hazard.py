@@ -1,0 +1,121 @@
+"""The padding hazard rule on small graphs: attention over padded keys needs a proof that they are masked.
+
+Graphs are Dynamo's own (``dynamic=True``, so the token dims are symbols), of
+functions written to be one near miss apart.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xla_lora_pass.padding_hazard import padding_hazard
+
+
+def _hazard(fn, *args):
+    """padding_hazard of the one graph Dynamo captures for ``fn(*args)``, padding every size symbol."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=record, dynamic=True)(*args)
+    [gm] = graphs
+    symbols = set()
+    for p in gm.graph.find_nodes(op="placeholder"):
+        value = p.meta["example_value"]
+        shape = value.shape if isinstance(value, torch.Tensor) else (value,)
+        symbols |= {s.node.expr for s in shape if isinstance(s, torch.SymInt)}
+    assert symbols, "the graph has no size symbols: nothing would be padded"
+    return padding_hazard(gm, symbols)
+
+
+def _features(t, *dims):
+    """``t`` with ``dims`` static: only the batch and token dims are symbols, as in the backend's graphs."""
+    for d in dims:
+        torch._dynamo.mark_static(t, d)
+    return t
+
+
+def _qkv(b=2, s=5):
+    g = torch.Generator().manual_seed(s)
+    return [_features(torch.randn(b, 2, s, 4, generator=g), 1, 3) for _ in range(3)]
+
+
+def _eager_attention(q, k, v, bias):
+    scores = q @ k.transpose(-1, -2) / 2.0 + bias
+    return F.softmax(scores, dim=-1) @ v
+
+
+def test_sdpa_is_causal_is_safe():
+    assert _hazard(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *_qkv()) is None
+
+
+def test_sdpa_with_an_in_graph_causal_mask_is_safe():
+    def attend(q, k, v):
+        s = q.shape[-2]
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+
+    assert _hazard(attend, *_qkv()) is None
+
+
+def test_arange_comparison_mask_is_safe():
+    """HF's mask builders: ``kv_idx <= q_idx`` over two aranges."""
+    def attend(q, k, v):
+        s = q.shape[-2]
+        causal = torch.arange(s)[None, :] <= torch.arange(s)[:, None]
+        bias = torch.zeros(s, s).masked_fill(~causal, float("-inf"))
+        return _eager_attention(q, k, v, bias)
+
+    assert _hazard(attend, *_qkv()) is None
+
+
+def test_sdpa_without_a_mask_is_a_hazard():
+    why = _hazard(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), *_qkv())
+    assert "attends over padded keys" in why
+
+
+def test_in_graph_ones_mask_over_the_token_dim_is_a_hazard():
+    """BERT without an attention_mask builds ``torch.ones(batch, seq)``: it masks no padding."""
+    def attend(q, k, v, ids):
+        mask = torch.ones(ids.size())[:, None, None, :]
+        bias = (1.0 - mask).masked_fill((1.0 - mask).bool(), torch.finfo(torch.float32).min)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    q, k, v = _qkv()
+    assert "attends over padded keys" in _hazard(attend, q, k, v, torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_mask_from_a_graph_input_is_safe():
+    def attend(q, k, v, attention_mask):
+        mask = attention_mask[:, None, None, :].to(torch.float32)
+        bias = (1.0 - mask).masked_fill((1.0 - mask).bool(), torch.finfo(torch.float32).min)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    q, k, v = _qkv()
+    assert _hazard(attend, q, k, v, torch.ones(2, 5, dtype=torch.long)) is None
+
+
+def test_eager_softmax_attention_with_and_without_an_input_mask():
+    q, k, v = _qkv()
+    masked = lambda q, k, v, m: _eager_attention(q, k, v, (1.0 - m[:, None, None, :].float()) * -1e9)  # noqa: E731
+    assert _hazard(masked, q, k, v, torch.ones(2, 5)) is None
+    bias_from_positions = lambda q, k, v: _eager_attention(  # noqa: E731
+        q, k, v, (torch.arange(q.shape[-2])[None, :] - torch.arange(q.shape[-2])[:, None]).abs().float())
+    assert "softmax over a token dim" in _hazard(bias_from_positions, q, k, v)
+
+
+def test_contraction_over_tokens_is_a_hazard_but_over_features_is_not():
+    x = _features(torch.randn(2, 5, 4), 2)
+    assert "contracts over a token dim" in _hazard(lambda x: x.transpose(1, 2) @ x, x)
+    assert _hazard(lambda x: x @ x.transpose(1, 2), x) is None
+    assert "contracts over a token dim" in _hazard(lambda x: torch.einsum("bsd,bse->bde", x, x), x)
+
+
+@pytest.mark.parametrize("fn, hazard", [(lambda x: torch.min(x, torch.zeros_like(x)), False),
+                                        (lambda x: torch.max(x, dim=1).values, True)])
+def test_elementwise_min_is_not_a_reduction(fn, hazard):
+    """T5's relative-position buckets take ``torch.min(a, b)`` elementwise: no mixing of tokens."""
+    assert (_hazard(fn, _features(torch.randn(2, 5, 4), 2)) is not None) == hazard
