@@ -90,7 +90,12 @@ class AdapterPool:
         self._clock = 0
 
     def add(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> None:
-        """Know ``name``: a directory, read when needed, or a state dict, checked now and kept on the host."""
+        """Know adapter ``name`` without loading it: a mapping that names it loads it into a slot.
+
+        ``state`` as for ``load_adapter``: a directory is read when a slot
+        needs it (or on ``prefetch``), a state dict is checked now and kept as
+        a host copy.
+        """
         if not isinstance(name, str) or not name:
             raise TypeError(f"add_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
         if isinstance(state, (str, os.PathLike)):
@@ -116,6 +121,16 @@ class AdapterPool:
         self.source.forget_copies()
         self.pinned.clear()
         self._last_used.clear()
+
+    def pin(self, name: str) -> None:
+        """Keep ``name`` in its slot until ``unpin`` (loading it now if it is not in one)."""
+        if name not in self._stacks.slots and name not in self.source:
+            raise KeyError(f"pin({name!r}): unknown adapter; slots: {self._stacks.slots}, or add it with add_adapter")
+        self.ensure([name], f"pin({name!r})")
+        self.pinned.add(name)
+
+    def unpin(self, name: str) -> None:
+        self.pinned.discard(name)
 
     def fixed(self) -> Set[str]:
         """Adapters that never leave their slot: pinned ones, and those with PEFT modules_to_save copies

@@ -167,31 +167,15 @@ class LoRAMetadata:
         self._pool.remember(name, state, loaded, scaling=scaling, config=config)
         return self._pool.load(loaded, self._mapped_names())
 
-    @_locked
-    def add_adapter(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> None:
-        """Know adapter ``name`` without loading it: a mapping that names it loads it into a slot.
-
-        ``state`` as for ``load_adapter``; a directory is read when a slot
-        needs it (or on ``prefetch``), a state dict is checked now and kept as
-        a host copy.
-        """
-        self._pool.add(name, state, scaling=scaling, config=config)
+    add_adapter = _forward("_pool", AdapterPool.add)
 
     @_locked
     def unload_adapter(self, name: str) -> int:
         """Free ``name``'s slot (zero rows, written in place); it stays known and comes back on demand."""
         return self._pool.unload(name, self._mapped_names())
 
-    @_locked
-    def pin(self, name: str) -> None:
-        """Keep ``name`` in its slot until ``unpin`` (loading it now if it is not in one)."""
-        self._pool.ensure([name], f"pin({name!r})")
-        self._pool.pinned.add(name)
-
-    @_locked
-    def unpin(self, name: str) -> None:
-        self._pool.pinned.discard(name)
-
+    pin = _forward("_pool", AdapterPool.pin)
+    unpin = _forward("_pool", AdapterPool.unpin)
     prefetch = _forward("_pool", AdapterPool.prefetch)
 
     def _mapped_names(self) -> List[str]:
