@@ -100,7 +100,9 @@ def peft_tiny_lm(adapters, dtype=torch.float32, seed=0):
 
 
 def _peft_mixes(model, rows) -> bool:
-    """Whether PEFT's adapter_names= path runs this batch (it raises midway otherwise, leaving its hooks)."""
+    """Whether PEFT's adapter_names= path runs this batch exactly (it raises midway otherwise, leaving its
+    hooks, and a wrapper whose active adapter has no copy is disabled: PEFT then runs the original module
+    for every row, the copies of the batch's adapters ignored, measured on peft 0.17.1)."""
     from peft.utils.other import ModulesToSaveWrapper
 
     for module in model.modules():
@@ -108,6 +110,8 @@ def _peft_mixes(model, rows) -> bool:
             if not isinstance(module.original_module, (nn.Linear, nn.Embedding)):
                 return False
             if any(r is not None and r not in module.modules_to_save for r in rows):
+                return False
+            if module.disable_adapters and any(r is not None for r in rows):
                 return False
     return True
 
