@@ -1,12 +1,21 @@
 """What a reader of one adapter format provides (``AdapterFormat``), and the one-adapter-per-layer case."""
 from __future__ import annotations
 
+import importlib
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 
 from ..adapters import AdapterWeights, SiteSpec
 from ..errors import UnsupportedAdapterError
+
+
+def optional_module(name: str):
+    """The module ``name``, or None when its library is not installed (every client library is optional)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 class AdapterFormat:

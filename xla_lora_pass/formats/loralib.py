@@ -11,27 +11,19 @@ is refused, since every other slot would get the merged adapter too.
 from __future__ import annotations
 
 from ..errors import UnsupportedAdapterError
-from .base import OneAdapterFormat
-
-
-def _loralib():
-    try:
-        import loralib
-    except ImportError:  # loralib is optional
-        return None
-    return loralib
+from .base import OneAdapterFormat, optional_module
 
 
 class LoralibFormat(OneAdapterFormat):
     name = "loralib"
 
     def claims(self, module):
-        lib = _loralib()
+        lib = optional_module("loralib")
         return lib is not None and isinstance(module, lib.LoRALayer) and isinstance(
             module, (lib.Linear, lib.Embedding, lib.MergedLinear, lib.ConvLoRA))
 
     def read(self, path, module, adapter_name):
-        lib = _loralib()
+        lib = optional_module("loralib")
         if module.r <= 0:
             return None  # r=0: a plain layer, no adapter
         if isinstance(module, lib.MergedLinear):
@@ -49,7 +41,7 @@ class LoralibFormat(OneAdapterFormat):
         return super().read(path, module, adapter_name)
 
     def kind_of(self, module):
-        return "embedding" if isinstance(module, _loralib().Embedding) else "linear"
+        return "embedding" if isinstance(module, optional_module("loralib").Embedding) else "linear"
 
     def lora_params(self, module):
         return "lora_A", "lora_B"

@@ -7,28 +7,20 @@ the state-dict keys are ``<layer>.lora_a.weight`` / ``<layer>.lora_b.weight``.
 from __future__ import annotations
 
 from ..errors import UnsupportedAdapterError
-from .base import OneAdapterFormat
-
-
-def _peft_module():
-    try:
-        from torchtune.modules import peft
-    except ImportError:  # torchtune is optional
-        return None
-    return peft
+from .base import OneAdapterFormat, optional_module
 
 
 class TorchtuneFormat(OneAdapterFormat):
     name = "torchtune"
 
     def claims(self, module):
-        peft = _peft_module()
+        peft = optional_module("torchtune.modules.peft")
         if peft is None:
             return False
         return isinstance(module, (peft.LoRALinear, peft.DoRALinear))
 
     def read(self, path, module, adapter_name):
-        peft = _peft_module()
+        peft = optional_module("torchtune.modules.peft")
         if isinstance(module, peft.DoRALinear) or type(module).__name__ == "QATLoRALinear":
             raise UnsupportedAdapterError(
                 f"torchtune {type(module).__name__} {path!r} is not served: only LoRALinear is read from torchtune "
