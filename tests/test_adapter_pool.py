@@ -141,3 +141,20 @@ def test_pinned_and_unloaded_adapters(pool):
     with torch.no_grad():
         out = compiled(input_ids=ids).logits
     assert (out - pool_reference(pool, ids, ["ad000", "ad002"])).abs().max().item() < 1e-4
+
+
+def test_a_refused_mapping_never_leaves_the_old_one_on_swapped_slots(pool):
+    """A bad entry is refused before any swap (old mapping and slots kept); a mapping refused after its
+    swaps (too many rows) drops the old mapping, whose slot numbers may now mean other adapters."""
+    served, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=(("ad000", 4, 8),))
+    meta = xlp.LoRAMetadata(max_num_tokens=4, max_slots=2)
+    meta.register_adapters(served)
+    for name in ("ad001", "ad002", "ad003"):
+        meta.add_adapter(name, pool["dirs"][name])
+    meta.set_request_adapters(["ad000", "ad001"])
+    with pytest.raises(TypeError, match="row 2: expected str, int or None"):
+        meta.set_request_adapters(["ad002", "ad003", 1.5])
+    assert meta.slots == ["ad000", "ad001"] and meta.request_adapters().tolist() == [0, 1]
+    with pytest.raises(ValueError, match="5 rows exceed max_num_tokens=4"):
+        meta.set_request_adapters(["ad002", "ad003", None, None, None])
+    assert meta.slots == ["ad002", "ad003"] and not meta.has_mapping

@@ -9,25 +9,19 @@ A facade (the way ``torch.fx.GraphModule`` delegates to ``Graph`` and
 ``CodeGen``): adapter_stacks.py holds the slots and host stacks and loads
 adapters, param_index.py finds a graph's parameters, token_mapping.py holds
 the mapping and every per-step value built from it, device_stacks.py the
-device copies and their SPMD placement, stats.py the counters.  This class
-owns the lock and the order of operations; the parts own their state.
+device copies and their SPMD placement, stats.py the counters, and
+adapter_pool.py swaps adapters into slots.  This class owns the lock and the
+order of operations; the parts own their state.
 
 Bad input is refused in eager Python before any device work, and a refused
 call changes nothing: ``set_token_adapters`` keeps the old mapping,
 ``load_adapter`` leaves every slot and stack as it was (docs/reliability.md
 lists every check).
 
-Thread safety.  Safe: every method takes the object's lock, so concurrent
-calls on one object never corrupt it and each call is all-or-nothing; two
-objects share no state (mappings, slots, stacked weights, stats), so two
-models, each with its own object, may be served alternately or from two
-threads, as far as Dynamo and torch_xla allow.  Not safe: the mapping belongs
-to the object, not to a thread, and a compiled call reads it when it runs, so
-``set_token_adapters`` followed by the model call is one step that another
-thread must not split (one serving loop per object, or hold your own lock
-around both); ``load_adapter`` while another thread runs the model may give
-that call some sites old and some new weights.  One model, one object: a
-second object registering the same model would add its own eager guards.
+Thread safety (docs/reliability.md): every method takes the object's lock,
+so each call is all-or-nothing; two objects share no state.  A mapping and
+the model call that reads it are one step another thread must not split,
+and so are a swap or ``load_adapter`` and the next call.
 """
 from __future__ import annotations
 
@@ -50,7 +44,7 @@ from .generation import route_generate
 from .param_index import ParamIndex
 from .saved_modules import SavedModuleSpec, iter_saved_modules
 from .stats import Stats
-from .token_mapping import NO_LORA, TokenAdapter, TokenMapping
+from .token_mapping import NO_LORA, TokenAdapter, TokenMapping, to_indices
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +246,7 @@ class LoRAMetadata:
 
         Valid for calls with exactly that many tokens; replaces a request mapping.
         """
-        self._pool.ensure(_names_in(mapping), "set_token_adapters")
-        self._tokens.set_tokens(mapping, self._adapters.slots)
+        self._set_mapping(self._tokens.set_tokens, mapping, "set_token_adapters", "token")
 
     @_locked
     def set_request_adapters(self, rows: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
@@ -265,8 +258,23 @@ class LoRAMetadata:
         ``rows[b]``, until the next ``set_request_adapters`` or
         ``set_token_adapters``.  A call whose batch is not ``len(rows)`` is refused.
         """
-        self._pool.ensure(_names_in(rows), "set_request_adapters")
-        self._tokens.set_requests(rows, self._adapters.slots)
+        self._set_mapping(self._tokens.set_requests, rows, "set_request_adapters", "row")
+
+    def _set_mapping(self, set_fn, mapping, caller: str, unit: str) -> None:
+        """Check the mapping (adapters the pool can load count as known), load what no slot holds keeping
+        every adapter it names in its slot, then set it; refused after a swap, the old mapping goes too."""
+        slots = list(self._adapters.slots)
+        strings = mapping if isinstance(mapping, Sequence) and not isinstance(mapping, (str, bytes)) else ()
+        named = slots + list(dict.fromkeys(e for e in strings if isinstance(e, str) and e not in slots
+                                           and e in self._pool.source))
+        checked = to_indices(mapping, named, caller, unit)
+        self._pool.ensure([named[i] for i in sorted(set(checked.tolist())) if i >= 0], caller)
+        try:
+            set_fn(mapping, self._adapters.slots)
+        except Exception:
+            if self._adapters.slots != slots:
+                self._tokens.forget()  # its slot numbers may now mean other adapters
+            raise
 
     @contextlib.contextmanager
     def warming_up(self):
@@ -334,13 +342,6 @@ class LoRAMetadata:
     def step_tensors(self, device) -> List[torch.Tensor]:
         """The buffers on ``device`` built from the current mapping so far (token indices, row slots, layouts)."""
         return [t for t in self._tokens.cache.tensors() if t.device == torch.device(device)]
-
-
-def _names_in(mapping) -> List[str]:
-    """The adapter names a mapping gives (slot numbers and tensors name none)."""
-    if isinstance(mapping, (torch.Tensor, str, bytes)) or not isinstance(mapping, Sequence):
-        return []  # refused, if it is bad, by the mapping's own check
-    return [e for e in mapping if isinstance(e, str)]
 
 
 __all__ = ["LoRAMetadata", "NO_LORA", "TokenAdapter"]
