@@ -31,7 +31,7 @@ def test_rewrite_kernel_names_the_choices():
 
 
 class _Mapping:
-    """Stands for LoRAMetadata's two per-call predicates."""
+    """Stands for what LoRAMetadata answers the per-call choice: rows_uniform, and the segment layout."""
 
     def __init__(self, rows_uniform: bool, segments_fit: bool):
         self._rows, self._segments = rows_uniform, segments_fit
@@ -41,9 +41,9 @@ class _Mapping:
         self.asked.append("rows")
         return self._rows
 
-    def segments_fit(self, real, padded, block_tokens, slots_per_block):
-        self.asked.append(("segments", block_tokens, slots_per_block))
-        return self._segments
+    def step_value(self, key, real, padded, build):
+        self.asked.append(key)  # the segment kernel's layout, ("segments", block_tokens, slots_per_block)
+        return object() if self._segments else None
 
 
 def _requests(name):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import xla_lora_pass as xlp
-from xla_lora_pass import token_mapping
+from xla_lora_pass import kernels
 from xla_lora_pass.demo_models import tiny_peft_llama
 from xla_lora_pass.stats import Stats
 from xla_lora_pass.token_mapping import StepCache
@@ -60,18 +60,18 @@ def test_step_values_are_built_once_per_mapping_and_bucket(meta):
 
 def test_segment_layout_is_built_once_for_fit_and_layout(meta, monkeypatch):
     calls = []
-    real = token_mapping.build_segment_layout
+    real = kernels.build_segment_layout
 
     def counting(*args):
         calls.append(args[1:])
         return real(*args)
-    monkeypatch.setattr(token_mapping, "build_segment_layout", counting)
+    monkeypatch.setattr(kernels, "build_segment_layout", counting)
     meta.set_token_adapters(["sql"] * 8 + ["chat"] * 8)
-    assert meta.segments_fit((16,), (16,), 8, 1)
-    meta.segment_layout("cpu", (16,), (16,), 8, 1)
-    meta.segment_layout("cpu", (16,), (16,), 8, 1)
+    assert kernels.segments_fit(meta, (16,), (16,), 8, 1)
+    kernels.segment_inputs(meta, "cpu", (16,), (16,), 8, 1)
+    kernels.segment_inputs(meta, "cpu", (16,), (16,), 8, 1)
     assert calls == [(8, 1)]
-    assert meta.segments_fit((16,), (16,), 4, 1)  # another block shape: built again
+    assert kernels.segments_fit(meta, (16,), (16,), 4, 1)  # another block shape: built again
     assert calls == [(8, 1), (4, 1)]
 
 

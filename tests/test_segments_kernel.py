@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import xla_lora_pass as xlp
-from xla_lora_pass import ops
+from xla_lora_pass import kernels, ops
 from xla_lora_pass.demo_models import per_token_reference, tiny_peft_llama
 from xla_lora_pass.ops_segments import build_segment_layout, segment_token_indices
 
@@ -151,14 +151,14 @@ def test_a_mapping_that_is_not_segments_runs_the_masked_kernel(served):
     mixed = [["sql", "chat", "code", None][int(i)] for i in torch.randint(0, 4, (120,), generator=g)]
     segments_before = len(_graph(s).variants["segments"].programs)
     got, want = _run(s, mixed)
-    assert not s["meta"].segments_fit((1, 120), (1, 128), 32, 2)
+    assert not kernels.segments_fit(s["meta"], (1, 120), (1, 128), 32, 2)
     assert (got - want).abs().max().item() < 1e-4
     graph = _graph(s)
     assert graph.variants["masked"].programs
     assert len(graph.variants["segments"].programs) == segments_before
     # The metadata refuses the segment layout outright: a hand-rewritten graph cannot misuse it.
     with pytest.raises(xlp.UnsupportedMappingError, match="more than 2 adapters"):
-        s["meta"].segment_layout("cpu", (1, 120), (1, 128), 32, 2)
+        kernels.segment_inputs(s["meta"], "cpu", (1, 120), (1, 128), 32, 2)
 
 
 def test_flat_token_batches_switch_from_masked_to_segments(xla_device):

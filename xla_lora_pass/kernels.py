@@ -32,7 +32,9 @@ from graph_rewrites.kernels import KernelSpec
 from graph_rewrites.site_inputs import site_row_slots, site_segment_layout
 
 from . import ops, ops_rows, ops_segments  # noqa: F401  (register the torch.ops.xla_lora ops the specs name)
+from .errors import UnsupportedMappingError
 from .metadata import LoRAMetadata
+from .ops_segments import build_segment_layout
 
 # (meta, request, device, real token dims, padded token dims) -> the tensor for one added placeholder.
 Feed = Callable[[LoRAMetadata, GraphInputRequest, torch.device, tuple, tuple], torch.Tensor]
@@ -49,8 +51,37 @@ class Kernel:
     fits: Optional[Fits] = None  # None: exact for any mapping (the fallback)
 
 
+def segments_fit(meta: LoRAMetadata, real, padded, block_tokens: int, slots_per_block: int) -> bool:
+    """Whether the segment kernel can run this mapping: no block of ``block_tokens`` consecutive (padded)
+    tokens uses more than ``slots_per_block`` slots.  True for requests packed as contiguous segments of at
+    least ``block_tokens`` tokens each (with 2 passes per block).  Built once per mapping and bucket."""
+    return _host_segments(meta, real, padded, block_tokens, slots_per_block) is not None
+
+
+def segment_inputs(meta: LoRAMetadata, device, real, padded, block_tokens: int,
+                   slots_per_block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The segment kernel's (block_slots, pick) on ``device`` for this step (ops_segments.py), shared by every
+    site.  Refused when the mapping does not fit (``segments_fit``): the kernel would give a token another
+    token's adapter."""
+    def build(_grid):
+        layout = _host_segments(meta, real, padded, block_tokens, slots_per_block)
+        if layout is None:
+            raise UnsupportedMappingError(
+                f"the mapping uses more than {slots_per_block} adapters in some block of {block_tokens} "
+                f"consecutive tokens (token dims {list(real)}): a graph rewritten with the segment kernel cannot "
+                "run it (the backend switches to the masked kernel; rewrite(..., kernel='masked') does the same "
+                "for a graph rewritten by hand)")
+        return tuple(t.to(device) for t in ops_segments.segment_buffers(layout, block_tokens, meta.max_num_tokens))
+    return meta.step_value(("segment_inputs", str(device), block_tokens, slots_per_block), real, padded, build)
+
+
+def _host_segments(meta: LoRAMetadata, real, padded, block_tokens: int, slots_per_block: int):
+    return meta.step_value(("segments", block_tokens, slots_per_block), real, padded,
+                           lambda grid: build_segment_layout(grid, block_tokens, slots_per_block))
+
+
 def _segment_input(i: int) -> Feed:
-    return lambda meta, req, device, real, padded: meta.segment_layout(device, real, padded, *req.blocks)[i]
+    return lambda meta, req, device, real, padded: segment_inputs(meta, device, real, padded, *req.blocks)[i]
 
 
 KERNELS: Dict[str, Kernel] = {
@@ -65,7 +96,7 @@ KERNELS: Dict[str, Kernel] = {
         KernelSpec("segments", "bgmv_shrink_segments", "bgmv_expand_segments", transposed=True,
                    site_inputs=site_segment_layout, input_kinds=(SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)),
         feeds={SEGMENT_BLOCK_SLOTS: _segment_input(0), SEGMENT_PICK: _segment_input(1)},
-        fits=lambda meta, req, real, padded: meta.segments_fit(real, padded, *req.blocks)),
+        fits=lambda meta, req, real, padded: segments_fit(meta, real, padded, *req.blocks)),
     # Every token times every slot's columns, then a select (ops.py): any mapping.
     "masked": Kernel(KernelSpec("masked", "bgmv_shrink", "bgmv_expand", transposed=False), feeds={}),
 }

@@ -315,8 +315,7 @@ class LoRAMetadata:
     rows_uniform = _forward("_tokens", TokenMapping.rows_uniform)
     row_slots = _forward("_tokens", TokenMapping.row_slots)
 
-    segments_fit = _forward("_tokens", TokenMapping.segments_fit)
-    segment_layout = _forward("_tokens", TokenMapping.segment_layout)
+    step_value = _forward("_tokens", TokenMapping.step_value)
 
     # ------------------------------------------------------------------ stats
     @property

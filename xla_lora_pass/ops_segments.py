@@ -37,7 +37,7 @@ import torch
 
 from .ops_common import bgmv_expand_reference, bgmv_shrink_reference, compute_dtype, define_kernel_ops
 
-__all__ = ["SegmentLayout", "segment_blocks", "build_segment_layout", "segment_token_indices",
+__all__ = ["SegmentLayout", "segment_blocks", "build_segment_layout", "segment_buffers", "segment_token_indices",
            "bgmv_shrink_segments", "bgmv_expand_segments", "bgmv_shrink_segments_reference",
            "bgmv_expand_segments_reference"]
 
@@ -84,6 +84,16 @@ def build_segment_layout(idx, block_tokens: int, slots_per_block: int) -> Option
     if open_.any():
         return None
     return SegmentLayout(torch.from_numpy(block_slots), torch.from_numpy(pick.reshape(-1)[:num_tokens].copy()))
+
+
+def segment_buffers(layout: SegmentLayout, block_tokens: int, max_num_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``layout`` in the fixed-size buffers a graph narrows to its bucket: block slots
+    ``[ceil(max_num_tokens / block_tokens), K]`` (zeros past the layout) and pick ``[max_num_tokens]`` (-1 past it)."""
+    block_slots = torch.zeros(-(-max_num_tokens // block_tokens), layout.block_slots.shape[1], dtype=torch.int32)
+    block_slots[: layout.block_slots.shape[0]] = layout.block_slots
+    pick = torch.full((max_num_tokens,), -1, dtype=torch.int32)
+    pick[: layout.pick.numel()] = layout.pick
+    return block_slots, pick
 
 
 def segment_token_indices(block_slots: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:

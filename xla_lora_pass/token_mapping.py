@@ -1,7 +1,7 @@
 """The token mapping (which slot each token or batch row uses) and every per-step value built from it.
 
 Host first, device once: the mapping is built on the host and each value
-derived from it (token indices, row slots, the segment layout)
+derived from it (token indices, row slots, and each kernel's own inputs through ``step_value``)
 is copied to the device once per mapping and bucket, into a buffer sized for
 ``max_num_tokens`` so its shape never changes (the graph narrows it).  All of
 them live in one :class:`StepCache`, dropped whenever the mapping changes.
@@ -17,7 +17,6 @@ from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence,
 import torch
 
 from .errors import UnsupportedMappingError
-from .ops_segments import SegmentLayout, build_segment_layout
 
 NO_LORA = -1
 TokenAdapter = Union[str, int, None]
@@ -201,43 +200,12 @@ class TokenMapping:
             return self._full_buffer(rows).to(device)
         return self.cache.get(("row_slots", str(device), tuple(real_dims), tuple(padded_dims)), build)
 
-    def _host_segment_layout(self, real_dims, padded_dims, block_tokens: int,
-                             slots_per_block: int) -> Optional[SegmentLayout]:
-        """The segment layout of the padded bucket on the host, or None when a block needs more passes."""
-        key = ("host_segments", tuple(real_dims), tuple(padded_dims), block_tokens, slots_per_block)
-        return self.cache.get(key, lambda: build_segment_layout(self._padded_grid(real_dims, padded_dims),
-                                                                block_tokens, slots_per_block))
-
-    def segments_fit(self, real_dims, padded_dims, block_tokens: int, slots_per_block: int) -> bool:
-        """Whether the segment kernel can run this mapping: no block of ``block_tokens`` consecutive
-        (padded) tokens uses more than ``slots_per_block`` slots.  True for requests packed as
-        contiguous segments of at least ``block_tokens`` tokens each (with 2 passes per block)."""
-        return self._host_segment_layout(real_dims, padded_dims, block_tokens, slots_per_block) is not None
-
-    def segment_layout(self, device, real_dims, padded_dims, block_tokens: int,
-                       slots_per_block: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The segment kernel's (block_slots, pick) for this step on ``device`` (ops_segments.py).
-
-        Built once per mapping and bucket on the host and shared by every LoRA
-        layer; buffers sized for ``max_num_tokens`` (``[ceil(max_num_tokens /
-        block_tokens), slots_per_block]`` and ``[max_num_tokens]``), so their
-        shapes never change (the graph narrows them).  Refused when the mapping
-        does not fit (:meth:`segments_fit`): the kernel would give a token
-        another token's adapter.
-        """
-        def build():
-            layout = self._host_segment_layout(real_dims, padded_dims, block_tokens, slots_per_block)
-            if layout is None:
-                raise UnsupportedMappingError(
-                    f"the mapping uses more than {slots_per_block} adapters in some block of {block_tokens} "
-                    f"consecutive tokens (token dims {list(real_dims)}): a graph rewritten with the segment "
-                    "kernel cannot run it (the backend switches to the masked kernel; rewrite(..., "
-                    "kernel='masked') does the same for a graph rewritten by hand)")
-            block_slots = torch.zeros(-(-self.max_num_tokens // block_tokens), slots_per_block, dtype=torch.int32)
-            block_slots[: layout.block_slots.shape[0]] = layout.block_slots
-            return block_slots.to(device), self._full_buffer(layout.pick).to(device)
-        key = ("segments", str(device), tuple(real_dims), tuple(padded_dims), block_tokens, slots_per_block)
-        return self.cache.get(key, build)
+    def step_value(self, key: Hashable, real_dims, padded_dims, build: Callable[[torch.Tensor], object]):
+        """``build(grid)`` for this step, cached until the mapping changes: ``grid`` is the padded bucket's
+        host int32 indices, flattened, -1 on padding.  How a kernel's own per-step inputs are made
+        (xla_lora_pass/kernels.py), without this module knowing any kernel."""
+        full_key = (key, tuple(real_dims), tuple(padded_dims))
+        return self.cache.get(full_key, lambda: build(self._padded_grid(real_dims, padded_dims)))
 
 
 def to_indices(entries: Union[Sequence[TokenAdapter], torch.Tensor], slots: List[Optional[str]], caller: str,
