@@ -40,6 +40,14 @@ def _mapped(meta, rows, seq):
     meta.set_token_adapters([r for r in rows for _ in range(seq)])
 
 
+def _assert_matches(new_gm, example_inputs, meta, rows, reference):
+    """The rewritten graph, run on ``rows`` (SEQ tokens each), equals eager PEFT to 1e-4."""
+    _mapped(meta, rows, SEQ)
+    out = run_rewritten(new_gm, example_inputs, meta, (len(rows), SEQ))
+    for got, want in zip(out, reference):
+        assert (got - want).abs().max().item() < 1e-4
+
+
 def _rewritten(model, meta, ids, kernel="masked"):
     (gm, example_inputs), = capture_graphs(model, ids)
     new_gm, report = xlp.rewrite(gm, example_inputs, meta, kernel=kernel)
@@ -57,10 +65,7 @@ def test_sites_of_inactive_adapters_are_served(kernel):
     _, example_inputs, new_gm, report = _rewritten(model, meta, ids, kernel)
     assert report.counts() == {"lora_linear": 1, "lora_attach": 5}, report.format()
     assert report.near_misses == []
-    _mapped(meta, ROWS, SEQ)
-    out = run_rewritten(new_gm, example_inputs, meta, (len(ROWS), SEQ))
-    for got, want in zip(out, reference):
-        assert (got - want).abs().max().item() < 1e-4
+    _assert_matches(new_gm, example_inputs, meta, ROWS, reference)
 
 
 def test_attach_golden(update_golden, monkeypatch):
@@ -159,10 +164,7 @@ def test_saved_modules_are_served_per_token_and_per_row(rows):
     assert report.counts()["saved_module"] == 3, report.format()
     assert report.near_misses == []
     assert not any(n.users for n in new_gm.graph.find_nodes(op="placeholder") if SAVED_PARAM in n.meta)
-    _mapped(meta, rows, SEQ)
-    out = run_rewritten(new_gm, example_inputs, meta, (len(rows), SEQ))
-    for got, want in zip(out, reference):
-        assert (got - want).abs().max().item() < 1e-4
+    _assert_matches(new_gm, example_inputs, meta, rows, reference)
 
 
 def test_saved_module_golden(update_golden, monkeypatch):
@@ -274,10 +276,7 @@ def test_lora_bias_of_an_inactive_adapter_is_added(kernel):
     _, example_inputs, new_gm, report = _rewritten(model, meta, ids, kernel)
     assert report.counts() == {"lora_linear": 2}
     assert count_ops(new_gm, torch.ops.xla_lora.bgmv_bias.default) == 1
-    _mapped(meta, rows, SEQ)
-    out = run_rewritten(new_gm, example_inputs, meta, (len(rows), SEQ))
-    for got, want in zip(out, reference):
-        assert (got - want).abs().max().item() < 1e-4
+    _assert_matches(new_gm, example_inputs, meta, rows, reference)
 
 
 def test_load_adapter_refuses_an_adapter_with_saved_copies():
