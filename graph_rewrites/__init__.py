@@ -17,12 +17,13 @@ from .annotations import (BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, SAVED_PARAM, STA
 from .flat_tokens import flat_token_nodes
 from .fuse_shared_shrink import fuse_shared_shrinks
 from .fx_utils import (canonicalize_lora_embeddings, canonicalize_weight_transposes, drop_none_bias,
-                       functionalize_fresh_updates, remove_eval_dropout)
+                       functionalize_fresh_index_puts, functionalize_fresh_updates, remove_eval_dropout)
 from .lora_attach import attach_lora_sites, unserved_base_sites
 from .lora_bias import LORA_BIAS
 from .lora_dora import LORA_DORA
 from .lora_embedding import LORA_EMBEDDING
 from .lora_linear import LORA_LINEAR
+from .lora_merged import LORA_MERGED
 from .pattern_matcher import LinearMatch, Pattern, rewrite_patterns
 from .report import NearMiss, RewriteContext, RewriteReport, SiteRewrite
 from .saved_modules import serve_saved_modules, unserved_saved_modules
@@ -41,7 +42,7 @@ class PassResult:
 
 def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     removed = remove_eval_dropout(gm)
-    changed = (drop_none_bias(gm) + removed + functionalize_fresh_updates(gm)
+    changed = (drop_none_bias(gm) + removed + functionalize_fresh_index_puts(gm) + functionalize_fresh_updates(gm)
                + canonicalize_weight_transposes(gm) + canonicalize_lora_embeddings(gm)) > 0
     # The mapping's layout: the token dims most LoRA sites apply to.
     ctx.token_layout = ctx.report.token_layout = find_token_layout(gm)
@@ -53,13 +54,14 @@ def _normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
 # the graph the earlier ones left: the more specific linear forms (a LoRA bias,
 # DoRA's rescaling) before pattern 1's plain delta.
 # Each is switched by its name in ``config.passes`` (a missing name is on).
-PATTERNS: Tuple[Pattern, ...] = (LORA_EMBEDDING, LORA_BIAS, LORA_DORA, LORA_LINEAR)
+PATTERNS: Tuple[Pattern, ...] = (LORA_EMBEDDING, LORA_BIAS, LORA_DORA, LORA_MERGED, LORA_LINEAR)
 PATTERN_PASS = "patterns"
 
 # name -> pass, in the order they run.  ``normalize`` strips identities the
 # patterns would otherwise need variants for (eval dropout, a None bias, an
 # in-place ``+=`` on a fresh result, ``.T`` / ``.transpose(0, 1)`` of a LoRA
-# weight, an embedding's gradient-only arguments) and finds the token layout;
+# weight, an embedding's gradient-only arguments, a store into fresh zeros)
+# and finds the token layout;
 # ``patterns`` runs ``PATTERNS``; ``lora_attach`` serves the registered sites
 # whose LoRA branch is not in the graph, after the patterns replaced the
 # branches that are; ``saved_modules`` serves PEFT's modules_to_save; the

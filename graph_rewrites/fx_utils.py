@@ -152,6 +152,36 @@ def functionalize_fresh_updates(gm: fx.GraphModule) -> int:
     return changed
 
 
+# Factories whose result is a fresh tensor no other tensor aliases.
+_FRESH_METHODS = ("new_zeros", "new_empty", "new_full", "new_ones")
+
+
+def functionalize_fresh_index_puts(gm: fx.GraphModule) -> int:
+    """``z[mask] = v`` on a fresh ``new_zeros`` -> ``z' = torch.index_put(z, (mask,), v)`` (loralib's zero_pad).
+
+    Only when every other reader of ``z`` comes after the store: they then
+    read ``z'``, the value they saw, and no alias of ``z`` exists.  The
+    patterns are written functionally.
+    """
+    changed = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.find_nodes(op="call_function", target=operator.setitem)):
+        fresh, index, value = node.args
+        if not (isinstance(fresh, fx.Node) and fresh.op == "call_method" and fresh.target in _FRESH_METHODS
+                and isinstance(index, fx.Node) and isinstance(value, fx.Node) and not node.users):
+            continue
+        readers = [u for u in fresh.users if u is not node]
+        if any(order[u] < order[node] for u in readers):
+            continue
+        with gm.graph.inserting_before(node):
+            stored = call(gm.graph, "call_function", torch.index_put, fresh, (index,), value)
+        for user in readers:
+            user.replace_input_with(fresh, stored)
+        gm.graph.erase_node(node)
+        changed += 1
+    return changed
+
+
 def _is_matrix_transpose(node: fx.Node) -> bool:
     """``w.T``, ``w.transpose(0, 1)`` / ``(1, 0)`` / ``(-1, -2)`` ... on a 2-d tensor."""
     value = example_value(node.args[0]) if node.args else None

@@ -65,6 +65,34 @@ def loralib_net():
     return model
 
 
+class LoralibMergedNet(nn.Module):
+    """loralib ``MergedLinear`` qkv (LoRA on q and v) -> ``MergedLinear`` (fan_in_fan_out, LoRA on half) -> logits."""
+
+    def __init__(self):
+        super().__init__()
+        import loralib
+
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.qkv = loralib.MergedLinear(24, 72, r=4, lora_alpha=8, enable_lora=[True, False, True],
+                                        lora_dropout=0.1, merge_weights=False)
+        self.proj = loralib.MergedLinear(72, 24, r=2, lora_alpha=6, enable_lora=[False, True], fan_in_fan_out=True,
+                                         merge_weights=False)
+        self.head = nn.Linear(24, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        return self.head(h + self.proj(torch.cat([q * torch.sigmoid(k), v, q], dim=-1)))
+
+
+def loralib_merged_net():
+    torch.manual_seed(0)
+    model = LoralibMergedNet()
+    model.load_state_dict(randomize_lora(model, 1), strict=False)
+    model.eval()
+    return model
+
+
 class MatmulLoRA(nn.Module):
     """``base(x) + (x @ A.T @ B.T) * s`` with A and B as parameters."""
 

@@ -133,9 +133,12 @@ class AdapterStacks:
         loaded = LoadedAdapter(name, {}, {})
         for site_name, roles in per_site.items():
             site, stack_a = self.sites[site_name], self._a[site_name]
-            lora_a, lora_b = roles["A"], roles["B"]
             where = f"load_adapter({name!r}): {site_name}"
-            _check_loaded(where, site, stack_a.shape[1], lora_a, lora_b)
+            _check_tensors(where, roles["A"], roles["B"])
+            lora_a, lora_b = roles["A"], roles["B"]
+            if site.format is not None:
+                lora_a, lora_b = site.format.stack_pair(where, site, lora_a, lora_b)
+            _check_shapes(where, site, stack_a.shape[1], lora_a, lora_b)
             weights = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config),
                                      magnitude=roles.get("magnitude"))
             loaded.weights[site_name] = _host_slot_weights(where, weights, stack_a.dtype)
@@ -213,7 +216,7 @@ def _write_slot(stack_a, stack_b, slot: int, lora_a: torch.Tensor, scaled_b: tor
         stack_b[slot, :, :r] = scaled_b
 
 
-def _check_loaded(where: str, site: SiteSpec, max_rank: int, lora_a, lora_b) -> None:
+def _check_tensors(where: str, lora_a, lora_b) -> None:
     for what, t in (("lora_A", lora_a), ("lora_B", lora_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {type(t).__name__}")
@@ -224,6 +227,9 @@ def _check_loaded(where: str, site: SiteSpec, max_rank: int, lora_a, lora_b) -> 
         if t.device.type == "meta":
             raise ValueError(f"{where}.{what}: a meta tensor holds no data; give the weights on any "
                              "real device (they are copied to the host)")
+
+
+def _check_shapes(where: str, site: SiteSpec, max_rank: int, lora_a, lora_b) -> None:
     r = lora_a.shape[0] if lora_a.dim() == 2 else -1
     if lora_a.dim() != 2 or lora_a.shape[1] != site.in_features or not 1 <= r <= max_rank:
         raise ValueError(

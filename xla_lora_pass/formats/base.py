@@ -44,8 +44,19 @@ class AdapterFormat:
         raise NotImplementedError
 
     def default_scaling(self, site: SiteSpec, rank: int) -> Optional[float]:
-        """The scaling an adapter of ``rank`` loaded at ``site`` gets when load_adapter is given none."""
+        """The scaling an adapter of ``rank`` (rows of its stacked A) loaded at ``site`` gets when load_adapter
+        is given none."""
         return None
+
+    def stack_pair(self, where: str, site: SiteSpec, lora_a: torch.Tensor,
+                   lora_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A state dict's A and B of ``site`` as the stacks hold them (A ``[r, in]``, B ``[out, r]``).
+
+        The identity unless the format lays an adapter out otherwise
+        (loralib's ``MergedLinear``); raises ValueError for tensors of the
+        wrong shape for that layout.
+        """
+        return lora_a, lora_b
 
     def base_parameters(self, module) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The base layer's weight as ``[out, in]`` and its bias (None when absent); DoRA folds them."""
