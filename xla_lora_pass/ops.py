@@ -208,14 +208,13 @@ def bgmv_dora(y: torch.Tensor, dora: torch.Tensor, idx: torch.Tensor) -> torch.T
     torch._check(y.shape[0] == idx.shape[0], lambda: f"bgmv_dora: {y.shape[0]} rows but {idx.shape[0]} indices")
     torch._check(dora.dim() == 3 and dora.shape[1] == 2, lambda: f"bgmv_dora: dora must be [N, 2, O], got "
                                                                   f"{tuple(dora.shape)}")
-    num_slots, _, out_features = dora.shape
-    # One-hot [T, N] @ [N, 2*O]: both per-slot rows in one matmul; -1 is an all-zero row, so g = c = 0 there
-    # and the row comes back as y exactly (a plain LoRA slot's zeros do the same).
-    onehot = _slot_mask(idx, num_slots).to(torch.float32)
-    gathered = onehot @ dora.reshape(num_slots, 2 * out_features).to(torch.float32)
-    gain, shift = gathered[:, :out_features], gathered[:, out_features:]
-    y32 = y.to(torch.float32)
-    return (y32 + gain * y32 - shift).to(y.dtype)
+    # A gather of each token's (g, c) rows, not a one-hot matmul: XLA fuses the gather into the multiply-add,
+    # one pass over y after the expand, where a one-hot matmul is a second dot that first writes [T, 2*O]
+    # (docs/benchmarks.md, DoRA).  -1 rows read slot 0 and are put back by the where().
+    rows = dora.index_select(0, idx.clamp(min=0).long()).to(torch.float32)  # [T, 2, O]; dora is fp32 already
+    y32 = y.to(torch.float32)  # a no-op for fp32 y: no round trip
+    out = (y32 + rows[:, 0] * y32 - rows[:, 1]).to(y.dtype)
+    return torch.where((idx >= 0).unsqueeze(-1), out, y)
 
 
 @bgmv_dora.register_fake
