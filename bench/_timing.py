@@ -19,10 +19,13 @@ REPO = os.path.dirname(BENCH_DIR)
 OUT_DIR = os.path.join(BENCH_DIR, "out")
 
 
-def time_interleaved(fns: Dict[str, Callable[[], None]], reps: int, steps: int) -> Dict[str, List[float]]:
+def time_interleaved(fns: Dict[str, Callable[[], None]], reps: int, steps: int,
+                     clock: Callable[[], float] = time.perf_counter) -> Dict[str, List[float]]:
     """Seconds per call of each fn, one list entry per repetition (mean of ``steps`` calls).
 
     Each fn must finish its work before returning (``.cpu()`` or a device wait).
+    ``clock``: wall time by default; ``time.process_time`` counts the CPU time
+    of this process's threads only, which other jobs on the cores inflate less.
     """
     names = list(fns)
     out = {n: [] for n in names}
@@ -30,10 +33,10 @@ def time_interleaved(fns: Dict[str, Callable[[], None]], reps: int, steps: int) 
         order = names[rep % len(names):] + names[:rep % len(names)]  # rotate: no config always runs first
         for name in order:
             fn = fns[name]
-            start = time.perf_counter()
+            start = clock()
             for _ in range(steps):
                 fn()
-            out[name].append((time.perf_counter() - start) / steps)
+            out[name].append((clock() - start) / steps)
     return out
 
 

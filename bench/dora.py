@@ -1,6 +1,6 @@
 """Step time of one mixed batch with and without a DoRA adapter, side by side in one process.
 
-    python bench/dora.py [--tokens 128,256] [--adapters 4] [--reps 5] [--steps 3] [--layers 4]
+    python bench/dora.py [--tokens 128,256] [--adapters 4] [--reps 5] [--steps 3] [--layers 4] [--clock wall]
 
 Two copies of one Llama-style model (``step_time.build_models``: hidden 512,
 4 layers, all-linear PEFT adapters, r=16): in ``lora`` every adapter is plain
@@ -9,18 +9,25 @@ perturbed so its scale is not 1).  Both run the same batch: 16 sequences,
 sequence i on adapter i mod (N + 1), the extra one on the base model, with the
 backend's default kernel.  Every repetition times both (rotating order) and
 the ratio is taken within it.  Prints a markdown table; the machine's load
-average is printed with it (other jobs share the cores).
+average is printed with it (other jobs share the cores).  ``--clock cpu``
+times the process's CPU time (all its threads) instead of wall time: other
+jobs on the cores inflate it less, so it compares the work of the two
+batches on a loaded machine, not their step time.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import _common  # noqa: F401  (sets PJRT_DEVICE before torch_xla loads)
 import torch
 from _common import markdown_table
 from _timing import median, ratios, summary, time_interleaved
 from step_time import BATCH, build_models
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def _with_dora(peft_model, name: str):
@@ -50,6 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args(argv)
 
     import torch_xla
@@ -84,13 +92,13 @@ def main(argv=None) -> int:
         for fn in fns.values():  # compile and warm up
             fn()
             fn()
-        times = time_interleaved(fns, args.reps, args.steps)
+        times = time_interleaved(fns, args.reps, args.steps, CLOCKS[args.clock])
         ratio = ratios(times, "lora")["with DoRA"]
         table.append([tokens, f"{median(times['lora']) * 1e3:.1f}", f"{median(times['with DoRA']) * 1e3:.1f}",
                       summary(ratio, "{:.3f}")])
         print(f"  {tokens} tokens done", flush=True)
     load = os.getloadavg()
-    print(f"\nDoRA step time, {args.adapters} adapters (the last one DoRA or plain LoRA) + base rows, "
+    print(f"\nDoRA step {args.clock} time, {args.adapters} adapters (the last one DoRA or plain LoRA) + base rows, "
           f"{args.layers} layers, {args.reps} reps x {args.steps} steps; load average {load[0]:.1f} "
           f"({os.cpu_count()} cores)\n")
     print(markdown_table(["tokens", "lora ms", "with DoRA ms", "with DoRA / lora, median [min-max]"], table))

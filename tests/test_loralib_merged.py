@@ -4,6 +4,7 @@ The mixed batch on XLA with 0 compiles on remap and on ``load_adapter`` is
 the ``loralib_merged`` client of test_formats.py.
 """
 import copy
+import operator
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import xla_lora_pass as xlp
+from graph_rewrites.fx_utils import functionalize_fresh_index_puts
 from xla_lora_pass import UnsupportedAdapterError
 from xla_lora_pass.demo_models import per_sequence_mapping
 
@@ -180,3 +182,38 @@ def test_load_adapter_refuses_a_b_of_another_slicing_before_any_slot_changes():
     with pytest.raises(ValueError, match=r"0.lora_A: expected \[r\*2, in\]"):
         meta.load_adapter("x", {"0.lora_A": torch.randn(3, 8), "0.lora_B": torch.randn(16, 2)})
     assert meta.slots == ["default", None]
+
+
+def _store(read_first: bool):
+    def fn(d, mask):
+        z = d.new_zeros((4, 3))
+        before = z.sum() if read_first else 0
+        z[mask] = d
+        return z * 2 + before
+
+    return fn
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_store_into_fresh_zeros_is_made_functional_only_when_nothing_read_them_before(read_first):
+    """loralib's zero_pad becomes index_put; a store after another reader is left as the in-place setitem."""
+    gm = torch.fx.GraphModule(torch.nn.Module(), _store_graph(read_first))
+    d, mask = torch.randn(2, 3), torch.tensor([True, False, True, False])
+    expected = _store(read_first)(d, mask)
+    assert functionalize_fresh_index_puts(gm) == (0 if read_first else 1)
+    gm.recompile()
+    setitems = [n for n in gm.graph.nodes if n.target is operator.setitem]
+    assert len(setitems) == (1 if read_first else 0)
+    torch.testing.assert_close(gm(d, mask), expected)
+
+
+def _store_graph(read_first: bool) -> torch.fx.Graph:
+    """The graph Dynamo makes of ``_store`` (symbolic_trace cannot trace a setitem)."""
+    g = torch.fx.Graph()
+    d, mask = g.placeholder("d"), g.placeholder("mask")
+    z = g.call_method("new_zeros", (d, (4, 3)))
+    before = g.call_method("sum", (z,)) if read_first else 0
+    g.call_function(operator.setitem, (z, mask, d))
+    doubled = g.call_function(operator.mul, (z, 2))
+    g.output(g.call_function(operator.add, (doubled, before)))
+    return g
