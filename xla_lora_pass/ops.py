@@ -208,12 +208,17 @@ def bgmv_dora(y: torch.Tensor, dora: torch.Tensor, idx: torch.Tensor) -> torch.T
     torch._check(y.shape[0] == idx.shape[0], lambda: f"bgmv_dora: {y.shape[0]} rows but {idx.shape[0]} indices")
     torch._check(dora.dim() == 3 and dora.shape[1] == 2, lambda: f"bgmv_dora: dora must be [N, 2, O], got "
                                                                   f"{tuple(dora.shape)}")
-    # A gather of each token's (g, c) rows, not a one-hot matmul: XLA fuses the gather into the multiply-add,
-    # one pass over y after the expand, where a one-hot matmul is a second dot that first writes [T, 2*O]
-    # (docs/benchmarks.md, DoRA).  -1 rows read slot 0 and are put back by the where().
-    rows = dora.index_select(0, idx.clamp(min=0).long()).to(torch.float32)  # [T, 2, O]; dora is fp32 already
+    # Two row gathers from the [2N, O] table, fused by XLA into the multiply-add: one pass over y.  Not a
+    # one-hot matmul (a second dot writing [T, 2*O]) nor a slice of gathered [T, 2, O] rows: on XLA a slice
+    # or select at a nonzero offset there became a gather through a host-built int64 index table of the
+    # full [T, O] size, one more graph input per site (docs/benchmarks.md, DoRA).  -1 rows read slot 0 and
+    # are put back by the where().
+    num_slots, _, out_features = dora.shape
+    table = dora.reshape(2 * num_slots, out_features).to(torch.float32)  # row 2k: slot k's g, 2k + 1: its c
+    first = idx.clamp(min=0).long() * 2
+    gain, shift = table.index_select(0, first), table.index_select(0, first + 1)
     y32 = y.to(torch.float32)  # a no-op for fp32 y: no round trip
-    out = (y32 + rows[:, 0] * y32 - rows[:, 1]).to(y.dtype)
+    out = (y32 + gain * y32 - shift).to(y.dtype)
     return torch.where((idx >= 0).unsqueeze(-1), out, y)
 
 
