@@ -145,7 +145,7 @@ def test_packed_requests_run_the_segment_kernel_exactly(served):
     assert xla_compiles() == before
 
 
-def test_a_mapping_that_is_not_segments_runs_the_masked_kernel(served):
+def test_a_mapping_that_is_not_segments_runs_the_sorted_kernel(served):
     s = served
     g = torch.Generator().manual_seed(9)
     mixed = [["sql", "chat", "code", None][int(i)] for i in torch.randint(0, 4, (120,), generator=g)]
@@ -154,7 +154,7 @@ def test_a_mapping_that_is_not_segments_runs_the_masked_kernel(served):
     assert not kernels.segments_fit(s["meta"], (1, 120), (1, 128), 32, 2)
     assert (got - want).abs().max().item() < 1e-4
     graph = _graph(s)
-    assert graph.variants["masked"].programs
+    assert graph.variants["sorted"].programs and "masked" not in graph.variants
     assert len(graph.variants["segments"].programs) == segments_before
     # The metadata refuses the segment layout outright: a hand-rewritten graph cannot misuse it.
     with pytest.raises(xlp.UnsupportedMappingError, match="more than 2 adapters"):

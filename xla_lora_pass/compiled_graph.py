@@ -142,12 +142,16 @@ class CompiledLoRAGraph:
             return self
         if padded_dims[-1] < config.row_kernel_min_tokens:
             return self.variant(FALLBACK)  # rows below the row kernel's minimum length
-        if self.backend.warming_kernel is not None:
-            return self.variant(self.backend.warming_kernel)
+        requests_of = lambda name: self.variant(name).extra_requests  # noqa: E731
+        warming = self.backend.warming_kernel
+        if warming == AUTO:
+            return self
+        if warming is not None:
+            # What a call from that kernel on runs: a bucket the kernel does not fit warms the one it falls to.
+            return self.variant(choose(self.meta, requests_of, token_dims, padded_dims, start=warming))
         if self.meta.is_warming_up:
             return self  # warming without a named kernel (precompile_generate) warms "auto"'s own programs
-        return self.variant(choose(self.meta, lambda name: self.variant(name).extra_requests, token_dims,
-                                   padded_dims))
+        return self.variant(choose(self.meta, requests_of, token_dims, padded_dims))
 
     def variant(self, kernel: str) -> "CompiledLoRAGraph":
         """This graph rewritten with ``kernel`` ("auto" and the kernel "auto" rewrites with: itself), built once,

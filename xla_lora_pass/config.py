@@ -62,3 +62,8 @@ row_kernel_min_tokens = 1
 # segments of 32 tokens; docs/benchmarks.md).
 segment_block_tokens = 32
 segment_slots_per_block = 2
+
+# The sorted kernel (ops_sorted.py): tokens per block.  Each slot's tokens are padded to whole blocks, so
+# a step computes at most num_slots + 1 blocks more than its tokens fill.  On one 512x512 linear with 512
+# tokens mixed at random over 16 adapters, blocks of 16 measured faster than 8 or 32 (docs/benchmarks.md).
+sorted_block_tokens = 16

@@ -48,7 +48,7 @@ class SortedLayout(NamedTuple):
 def sorted_blocks(num_tokens: int, block_tokens: int, groups: int) -> int:
     """NB': the blocks that hold ``num_tokens`` tokens in at most ``groups`` groups, each padded to whole
     blocks of ``block_tokens`` (each group wastes at most ``block_tokens - 1`` rows)."""
-    return max(1, (num_tokens + groups * (block_tokens - 1)) // block_tokens)
+    return (num_tokens + groups * (block_tokens - 1)) // block_tokens  # >= 1 for T >= 1
 
 
 def build_sorted_layout(idx, block_tokens: int, groups: int) -> SortedLayout:
