@@ -134,7 +134,8 @@ class CompiledLoRAGraph:
         the mapping: one adapter per row of the token grid (decoding's rows
         of one token always are) takes the row kernel (this graph, as "auto"
         rewrote it), requests packed as segments the segment kernel, anything
-        else the masked kernel.  Results never depend on the choice, only
+        else the sorted kernel, or the masked kernel in a bucket too small for
+        sorting to pay.  Results never depend on the choice, only
         cost does.  A graph rewritten with a fixed kernel, or with no site,
         always runs itself.
         """

@@ -72,7 +72,7 @@ def segment_inputs(meta: LoRAMetadata, device, real, padded, block_tokens: int,
             raise UnsupportedMappingError(
                 f"the mapping uses more than {slots_per_block} adapters in some block of {block_tokens} "
                 f"consecutive tokens (token dims {list(real)}): a graph rewritten with the segment kernel cannot "
-                "run it (the backend switches to the masked kernel; rewrite(..., kernel='masked') does the same "
+                "run it (the backend switches to the sorted or masked kernel; rewrite(..., kernel='sorted') does the same "
                 "for a graph rewritten by hand)")
         return tuple(t.to(device) for t in ops_segments.segment_buffers(layout, block_tokens, meta.max_num_tokens))
     return meta.step_value(("segment_inputs", str(device), block_tokens, slots_per_block), real, padded, build)
