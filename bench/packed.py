@@ -71,7 +71,7 @@ def main(argv=None) -> int:
 
     dev = torch_xla.device()
     tokens = [int(t) for t in args.tokens.split(",")]
-    lengths = [int(s) for s in args.segments.split(",")]
+    lengths = [int(s) for s in args.segments.split(",") if s]
     base_cpu, peft_cpu, names = build_models(args.adapters, layers=args.layers)
     c_base = torch.compile(copy.deepcopy(base_cpu).to(dev), backend="openxla")
     model = copy.deepcopy(peft_cpu).to(dev)
