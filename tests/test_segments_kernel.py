@@ -8,31 +8,17 @@ from xla_lora_pass import kernels, ops
 from xla_lora_pass.demo_models import per_token_reference, tiny_peft_llama
 from xla_lora_pass.ops_segments import build_segment_layout, segment_token_indices
 
-from .helpers import assert_golden, check_rewrite, compile_lora, count_ops, normalize_gm, shrink_expand_counts
+from .helpers import (assert_golden, check_rewrite, compile_lora, count_ops, kernel_op_case, normalize_gm, packed,
+                      shrink_expand_counts)
 from .models import peft_two_layer
 from .xla_utils import xla_compiles
-
-
-def packed(segments):
-    """One entry per token from ``[(adapter, length), ...]``: requests as contiguous segments."""
-    return [a for a, n in segments for _ in range(n)]
-
-
-def _op_case(idx, num_slots=3, rank=4, d=16, o=12, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = len(idx)
-    x = torch.randn(t, d, generator=g).to(dtype)
-    a = torch.randn(num_slots, rank, d, generator=g).to(dtype)
-    b = torch.randn(num_slots, o, rank, generator=g).to(dtype)
-    y = torch.randn(t, o, generator=g).to(dtype)
-    return x, a, b, y, torch.tensor(idx, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_segment_ops_equal_the_per_token_reference(dtype, tol):
     # Segments at any offset, a base-model segment, 45 tokens in blocks of 8 (6 blocks of 8, the last padded).
     idx = packed([(2, 11), (-1, 8), (0, 9), (1, 14), (2, 3)])
-    x, a, b, y, idx = _op_case(idx, dtype=dtype)
+    x, a, b, y, idx = kernel_op_case(idx, dtype=dtype)
     layout = build_segment_layout(idx, block_tokens=8, slots_per_block=2)
     assert layout is not None and torch.equal(segment_token_indices(*layout), idx)
     a_t, b_t = a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()
@@ -61,7 +47,7 @@ def test_layout_fits_only_blocks_within_their_passes():
 
 
 def test_nan_stays_in_its_token():
-    x, a, b, y, idx = _op_case(packed([(0, 5), (1, 11)]))
+    x, a, b, y, idx = kernel_op_case(packed([(0, 5), (1, 11)]))
     x[3] = float("nan")
     layout = build_segment_layout(idx, block_tokens=8, slots_per_block=2)
     t = torch.ops.xla_lora.bgmv_shrink_segments(x, a.transpose(1, 2).contiguous(), *layout, 1.0)

@@ -8,30 +8,15 @@ from xla_lora_pass import kernels, ops
 from xla_lora_pass.demo_models import eager_reference, per_token_reference, tiny_peft_llama
 from xla_lora_pass.ops_sorted import build_sorted_layout, sorted_blocks, sorted_token_indices
 
-from .helpers import compile_lora
+from .helpers import compile_lora, kernel_op_case, packed
 from .xla_utils import xla_compiles
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def packed(segments):
-    """One entry per token from ``[(adapter, length), ...]``: requests as contiguous segments."""
-    return [a for a, n in segments for _ in range(n)]
-
-
 def random_mix(choices, n, seed):
     g = torch.Generator().manual_seed(seed)
     return [choices[int(i)] for i in torch.randint(0, len(choices), (n,), generator=g)]
-
-
-def _op_case(idx, num_slots=3, rank=4, d=16, o=12, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = len(idx)
-    x = torch.randn(t, d, generator=g).to(dtype)
-    a = torch.randn(num_slots, rank, d, generator=g).to(dtype)
-    b = torch.randn(num_slots, o, rank, generator=g).to(dtype)
-    y = torch.randn(t, o, generator=g).to(dtype)
-    return x, a, b, y, torch.tensor(idx, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
@@ -40,7 +25,7 @@ def test_sorted_ops_equal_the_per_token_reference(dtype, tol, mapping):
     idx = {"random": random_mix([0, 1, 2, -1], 45, seed=1),
            "segments of 3": packed([(i % 3 if i % 4 else -1, 3) for i in range(15)]),
            "all base": [-1] * 45}[mapping]
-    x, a, b, y, idx = _op_case(idx, dtype=dtype)
+    x, a, b, y, idx = kernel_op_case(idx, dtype=dtype)
     layout = build_sorted_layout(idx, block_tokens=8, groups=4)
     assert torch.equal(sorted_token_indices(*layout), idx)
     a_t, b_t = a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()
@@ -75,7 +60,7 @@ def test_layout_gives_each_block_one_slot_within_its_static_size():
 
 
 def test_nan_stays_in_its_token():
-    x, a, b, y, idx = _op_case(random_mix([0, 1, 2, -1], 16, seed=2))
+    x, a, b, y, idx = kernel_op_case(random_mix([0, 1, 2, -1], 16, seed=2))
     x[3] = float("nan")
     layout = build_sorted_layout(idx, block_tokens=4, groups=4)
     t = torch.ops.xla_lora.bgmv_shrink_sorted(x, a.transpose(1, 2).contiguous(), *layout, 1.0)
