@@ -46,6 +46,19 @@ def kernel_op_case(idx, num_slots=3, rank=4, d=16, o=12, dtype=torch.float32, se
     return x, a, b, y, torch.tensor(idx, dtype=torch.int32)
 
 
+def two_layer_per_token(model, x, mapping):
+    """TwoLayer's proj is its only LoRA layer and tokens do not interact: a row-wise selection is the truth."""
+    with torch.no_grad():
+        outs = {}
+        for name in {m for m in mapping if m is not None}:
+            model.set_adapter(name)
+            outs[name] = model(x)
+        with model.disable_adapter():
+            outs[None] = model(x)
+        model.set_adapter("sql")
+    return torch.stack([outs[m][i] for i, m in enumerate(mapping)])
+
+
 def normalize_gm(gm: fx.GraphModule) -> str:
     """The readable graph without source paths and line numbers, for golden files."""
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)

@@ -9,7 +9,7 @@ from xla_lora_pass.demo_models import per_token_reference, tiny_peft_llama
 from xla_lora_pass.ops_segments import build_segment_layout, segment_token_indices
 
 from .helpers import (assert_golden, check_rewrite, compile_lora, count_ops, kernel_op_case, normalize_gm, packed,
-                      shrink_expand_counts)
+                      shrink_expand_counts, two_layer_per_token)
 from .models import peft_two_layer
 from .xla_utils import xla_compiles
 
@@ -55,19 +55,6 @@ def test_nan_stays_in_its_token():
     assert out[3].isnan().all() and not out[torch.arange(16) != 3].isnan().any()
 
 
-def _per_token(model, x, mapping):
-    """TwoLayer's proj is its only LoRA layer and tokens do not interact: a row-wise selection is the truth."""
-    with torch.no_grad():
-        outs = {}
-        for name in {m for m in mapping if m is not None}:
-            model.set_adapter(name)
-            outs[name] = model(x)
-        with model.disable_adapter():
-            outs[None] = model(x)
-        model.set_adapter("sql")
-    return torch.stack([outs[m][i] for i, m in enumerate(mapping)])
-
-
 def test_segment_rewrite_golden_and_numerics(update_golden, monkeypatch):
     """A flat [T, H] batch (vLLM's layout) of packed requests through the segment rewrite."""
     monkeypatch.setattr(xlp.config, "kernel", "segments")
@@ -76,7 +63,7 @@ def test_segment_rewrite_golden_and_numerics(update_golden, monkeypatch):
     meta.register_adapters(model)
     x = torch.randn(48, 16)
     mapping = packed([("sql", 20), (None, 12), ("chat", 16)])
-    reference = _per_token(model, x, mapping)  # before the mapping is set: the eager guard would refuse
+    reference = two_layer_per_token(model, x, mapping)  # before the mapping is set: the eager guard would refuse
     meta.set_token_adapters(mapping)
     new_gm, _ = check_rewrite(model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
                               reference=reference, token_dims=(48,))
@@ -153,7 +140,7 @@ def test_flat_token_batches_switch_from_masked_to_segments(xla_device):
     model = peft_two_layer()
     x = torch.randn(100, 16)
     mapping = packed([("sql", 40), (None, 27), ("chat", 33)])
-    want = _per_token(model, x, mapping)
+    want = two_layer_per_token(model, x, mapping)
     meta, backend, compiled = compile_lora(model, xla_device, max_num_tokens=128)
     meta.set_token_adapters(mapping)
     with torch.no_grad():

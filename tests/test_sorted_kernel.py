@@ -8,7 +8,9 @@ from xla_lora_pass import kernels, ops
 from xla_lora_pass.demo_models import eager_reference, per_token_reference, tiny_peft_llama
 from xla_lora_pass.ops_sorted import build_sorted_layout, sorted_blocks, sorted_token_indices
 
-from .helpers import compile_lora, kernel_op_case, packed
+from .helpers import (assert_golden, check_rewrite, compile_lora, count_ops, kernel_op_case, normalize_gm, packed,
+                      shrink_expand_counts, two_layer_per_token)
+from .models import peft_two_layer
 from .xla_utils import xla_compiles
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -68,6 +70,22 @@ def test_nan_stays_in_its_token():
     if idx[3] >= 0:
         assert out[3].isnan().all()
     assert not out[torch.arange(16) != 3].isnan().any()
+
+
+def test_sorted_rewrite_golden_and_numerics(update_golden, monkeypatch):
+    """A flat [T, H] batch (vLLM's layout) mixed per token through the sorted rewrite."""
+    monkeypatch.setattr(xlp.config, "kernel", "sorted")
+    model = peft_two_layer()
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    meta.register_adapters(model)
+    x = torch.randn(48, 16)
+    mapping = random_mix(["sql", "chat", None], 48, seed=6)
+    reference = two_layer_per_token(model, x, mapping)  # before the mapping is set: the eager guard would refuse
+    meta.set_token_adapters(mapping)
+    new_gm, _ = check_rewrite(model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
+                              reference=reference, token_dims=(48,))
+    assert count_ops(new_gm, torch.ops.xla_lora.bgmv_shrink_sorted.default) == 1
+    assert_golden("lora_linear_sorted", normalize_gm(new_gm), update_golden)
 
 
 def test_sorted_fits_buckets_where_sorting_beats_masking():

@@ -143,7 +143,9 @@ class CompiledLoRAGraph:
             return self
         if padded_dims[-1] < config.row_kernel_min_tokens:
             return self.variant(FALLBACK)  # rows below the row kernel's minimum length
-        requests_of = lambda name: self.variant(name).extra_requests  # noqa: E731
+        def requests_of(name):
+            return self.variant(name).extra_requests
+
         warming = self.backend.warming_kernel
         if warming == AUTO:
             return self

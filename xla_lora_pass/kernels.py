@@ -33,7 +33,8 @@ from graph_rewrites.annotations import (POOLED_ROW_SLOTS, ROW_SLOTS, SAVED_MODUL
 from graph_rewrites.kernels import KernelSpec
 from graph_rewrites.site_inputs import site_row_slots, site_segment_layout, site_sorted_layout
 
-from . import ops, ops_rows, ops_segments, ops_sorted  # noqa: F401  (register the torch.ops.xla_lora ops the specs name)
+# Imported to register the torch.ops.xla_lora ops the specs name.
+from . import ops, ops_rows, ops_segments, ops_sorted  # noqa: F401
 from .errors import UnsupportedMappingError
 from .metadata import LoRAMetadata
 from .ops_segments import build_segment_layout
@@ -72,8 +73,8 @@ def segment_inputs(meta: LoRAMetadata, device, real, padded, block_tokens: int,
             raise UnsupportedMappingError(
                 f"the mapping uses more than {slots_per_block} adapters in some block of {block_tokens} "
                 f"consecutive tokens (token dims {list(real)}): a graph rewritten with the segment kernel cannot "
-                "run it (the backend switches to the sorted or masked kernel; rewrite(..., kernel='sorted') does the same "
-                "for a graph rewritten by hand)")
+                "run it (the backend switches to the sorted or masked kernel; rewrite(..., kernel='sorted') does "
+                "the same for a graph rewritten by hand)")
         return tuple(t.to(device) for t in ops_segments.segment_buffers(layout, block_tokens, meta.max_num_tokens))
     return meta.step_value(("segment_inputs", str(device), block_tokens, slots_per_block), real, padded, build)
 
