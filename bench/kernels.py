@@ -11,7 +11,9 @@ every form compiled with plain ``openxla`` on the XLA CPU device:
   per-request case: the tokens as 16 rows of T/16, row i on adapter i mod N;
 * segments: base + ``bgmv_shrink_segments`` / ``bgmv_expand_segments`` (ops_segments.py) for the same
   tokens packed as 16 requests of T/16 in one row (blocks of ``config.segment_block_tokens`` with
-  ``config.segment_slots_per_block`` passes), the layout already on the device.
+  ``config.segment_slots_per_block`` passes), the layout already on the device;
+* sorted: base + ``bgmv_shrink_sorted`` / ``bgmv_expand_sorted`` (ops_sorted.py) for the random mix itself,
+  tokens ordered by slot into blocks of BS (``--sorted-blocks``), the layout already on the device.
 
 Each repetition runs every form in turn; the ratios are within one repetition.
 """
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20, help="calls per form per repetition")
+    parser.add_argument("--sorted-blocks", default="8,16,32", help="block sizes of the sorted kernel")
     args = parser.parse_args(argv)
 
     import torch_xla
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
     import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
     from xla_lora_pass import config
     from xla_lora_pass.ops_segments import build_segment_layout
+    from xla_lora_pass.ops_sorted import build_sorted_layout
 
     dev = torch_xla.device()
     g = torch.Generator().manual_seed(0)
@@ -78,6 +82,15 @@ def main(argv=None) -> int:
     seg_layout = [v.to(dev) for v in build_segment_layout(seg_idx, config.segment_block_tokens,
                                                           config.segment_slots_per_block)]
     c_segments = torch.compile(segments, backend="openxla")
+
+    def sorted_(x, w, a, b, gather, block_slots, inverse):
+        y = x @ w.t()
+        s = torch.ops.xla_lora.bgmv_shrink_sorted(x, a, gather, block_slots, inverse, 1.0)
+        return torch.ops.xla_lora.bgmv_expand_sorted(s, b, y, gather, block_slots, inverse, True)
+
+    c_sorted = torch.compile(sorted_, backend="openxla")
+    sorted_sizes = [int(v) for v in args.sorted_blocks.split(",") if v]
+    sorted_layouts = {bs: [v.to(dev) for v in build_sorted_layout(idx_host, bs, n + 1)] for bs in sorted_sizes}
     c_rows = torch.compile(rows, backend="openxla")
     c_base = torch.compile(base, backend="openxla")
     c_masked = torch.compile(masked, backend="openxla")
@@ -90,6 +103,8 @@ def main(argv=None) -> int:
         torch.testing.assert_close(got_rows, ref_rows, atol=1e-3, rtol=1e-4)
         got_segments = c_segments(x, w, a_t, b_t, *seg_layout).cpu()
         torch.testing.assert_close(got_segments, ref_rows, atol=1e-3, rtol=1e-4)
+        for layout in sorted_layouts.values():
+            torch.testing.assert_close(c_sorted(x, w, a_t, b_t, *layout).cpu(), ref, atol=1e-3, rtol=1e-4)
 
     def run(fn, *inputs):
         def call():
@@ -105,6 +120,8 @@ def main(argv=None) -> int:
         f"segments (ops_segments.py), 16 requests of {t // 16} in one row": run(c_segments, x, w, a_t, b_t,
                                                                                 *seg_layout),
     }
+    for bs, layout in sorted_layouts.items():
+        fns[f"sorted (ops_sorted.py), blocks of {bs}, the random mix"] = run(c_sorted, x, w, a_t, b_t, *layout)
     for fn in fns.values():  # warm up: compile and settle
         for _ in range(3):
             fn()
@@ -122,6 +139,12 @@ def main(argv=None) -> int:
     rows = [[name, f"{sorted(ts)[len(ts) // 2] * 1e3:.3f}", summary(rat[name])] for name, ts in times.items()]
     print(markdown_table(["form", "ms / call (median)", "time / base"], rows))
     print(f"\nbuild_segment_layout on the host alone: {host_ms:.3f} ms per step ({t} tokens, 16 segments).")
+    for bs in sorted_sizes:
+        start = time.perf_counter()
+        for _ in range(50):
+            build_sorted_layout(idx_host, bs, n + 1)
+        print(f"build_sorted_layout on the host alone, blocks of {bs}: "
+              f"{(time.perf_counter() - start) / 50 * 1e3:.3f} ms per step ({t} tokens, random mix).")
     return 0
 
 

@@ -14,8 +14,10 @@ and warmed up first, every step ends with ``logits.cpu()``):
   ``meta.set_token_adapters`` every step (alternating two such mappings, so every step builds its
   layout on the host).  The backend picks the kernel per call: the segment kernel when every block of
   ``config.segment_block_tokens`` tokens uses at most ``config.segment_slots_per_block`` adapters, else
-  the masked kernel (the table says which ran).
-* ``random per-token mix``: every token on a random adapter of N: the masked kernel.
+  the sorted kernel (the table says which ran).
+* ``random per-token mix``: every token on a random adapter of N: the sorted kernel.
+* ``random per-token mix, masked kernel``: the same mappings through a second copy of the model compiled
+  with ``config.kernel = "masked"`` (what "auto" ran before the sorted kernel), side by side.
 
 Before timing, each configuration's logits are checked against a per-token
 eager reference on the CPU (``demo_models.per_token_reference``: the base model
@@ -28,12 +30,16 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+from unittest import mock
 
 import _common  # noqa: F401  (sets PJRT_DEVICE before torch_xla loads)
 import torch
 from _common import markdown_table
 from _timing import ratios, summary, time_interleaved
 from step_time import VOCAB, build_models
+
+
+MASKED_MIX = "random per-token mix, masked kernel"
 
 
 def segment_mapping(names, tokens: int, length: int, shift: int = 0) -> list:
@@ -55,6 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per configuration per repetition")
     parser.add_argument("--no-check", action="store_true", help="skip the per-token eager reference")
+    parser.add_argument("--no-masked", action="store_true", help="skip the masked kernel's random-mix row")
     args = parser.parse_args(argv)
 
     import torch_xla
@@ -64,7 +71,7 @@ def main(argv=None) -> int:
 
     dev = torch_xla.device()
     tokens = [int(t) for t in args.tokens.split(",")]
-    lengths = [int(s) for s in args.segments.split(",")]
+    lengths = [int(s) for s in args.segments.split(",") if s]
     base_cpu, peft_cpu, names = build_models(args.adapters, layers=args.layers)
     c_base = torch.compile(copy.deepcopy(base_cpu).to(dev), backend="openxla")
     model = copy.deepcopy(peft_cpu).to(dev)
@@ -72,6 +79,11 @@ def main(argv=None) -> int:
     meta.register_adapters(model)
     backend = xlp.make_backend(meta)
     ours = torch.compile(model, backend=backend)
+    if not args.no_masked:
+        masked_meta = xlp.LoRAMetadata(max_num_tokens=max(tokens))
+        masked_model = copy.deepcopy(peft_cpu).to(dev)
+        masked_meta.register_adapters(masked_model)
+        masked = torch.compile(masked_model, backend=xlp.make_backend(masked_meta))
 
     print(f"load (uptime): {os.getloadavg()}", flush=True)
     for t in tokens:
@@ -91,26 +103,33 @@ def main(argv=None) -> int:
         def step_base():
             c_base(input_ids=ids_dev).logits.cpu()
 
-        def step(mappings):
+        def step(mappings, model=ours, meta=meta, kernel="auto"):
             turn = [0]
 
             @torch.no_grad()
             def call(mapping=None):
                 turn[0] += 1
                 meta.set_token_adapters(mapping if mapping is not None else mappings[turn[0] % 2])
-                return ours(input_ids=ids_dev).logits.cpu()
+                with mock.patch.object(xlp.config, "kernel", kernel):  # read when Dynamo hands over a graph
+                    return model(input_ids=ids_dev).logits.cpu()
             return call
 
         fns = {"base": static(step_base)}
         fns.update({name: step(maps) for name, maps in configs.items()})
+        if not args.no_masked:
+            configs[MASKED_MIX] = configs["random per-token mix"]
+            fns[MASKED_MIX] = step(configs[MASKED_MIX], masked, masked_meta, "masked")
         kernels, errors = {}, {}
         for name, fn in fns.items():
             for _ in range(3):
                 fn()
-            if name in configs:
+            if name == MASKED_MIX:
+                kernels[name] = "masked"
+            elif name in configs:
                 graph = next(g for g in reversed(backend.graphs) if g.source is not None)
                 meta.set_token_adapters(configs[name][0])
                 kernels[name] = _kernel_name(graph, meta, t)
+            if name in configs:
                 if not args.no_check:
                     got = fn(configs[name][0])
                     want = per_token_reference(peft_cpu, ids, configs[name][0])

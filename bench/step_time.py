@@ -18,7 +18,7 @@ steady state (compiled and warmed up first; every step ends with
   ``xla_lora, masked kernel``: the same with ``config.kernel = "masked"``;
   ``xla_lora, mixed within sequences``: the default backend with a mapping that changes adapter on
   every token (token j of sequence i on adapter (i + j) mod N), which the row kernel cannot run: the
-  backend runs the masked rewrite of the same graph.
+  backend runs another rewrite of the same graph (the sorted kernel's where it fits, else the masked one).
 * ``PEFT openxla, per adapter``: PEFT compiled with plain openxla, one call per adapter
   (``set_adapter``) on that adapter's sequences.
 * ``PEFT eager mixed (CPU)`` and ``base eager (CPU)``: PEFT's ``adapter_names=`` mixed-batch path and

@@ -43,6 +43,11 @@ SAVED_MODULE_PARAM = "saved_module_param"
 # slots [max_blocks, K] and each token's pass [max_num_tokens].
 SEGMENT_BLOCK_SLOTS = "segment_block_slots"
 SEGMENT_PICK = "segment_pick"
+# The sorted kernel's per-step layout (xla_lora_pass/ops_sorted.py), shared by every site: the token of each
+# sorted row [max_blocks * BS], each block's slot [max_blocks] and each token's sorted row [max_num_tokens].
+SORTED_GATHER = "sorted_gather"
+SORTED_BLOCK_SLOTS = "sorted_block_slots"
+SORTED_INVERSE = "sorted_inverse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,6 @@ class GraphInputRequest:
     shape: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.int32
     param: Optional[Tuple[Optional[str], str]] = None  # SAVED_MODULE_PARAM: (adapter or None, tensor name)
-    # The segment kernel's inputs: (tokens per block, slots per block) the graph was rewritten for; the layout is
-    # built with them.
+    # The segment kernel's inputs: (tokens per block, slots per block) the graph was rewritten for; the sorted
+    # kernel's: (tokens per block, groups: the slots and the base).  The layout is built with them.
     blocks: Tuple[int, ...] = ()

@@ -49,6 +49,8 @@ class RewriteContext:
     row_kernel_min_tokens: int = 1  # the row kernel leaves a static row length below this to the fallback
     segment_block_tokens: int = 32  # the segment kernel's block length and passes per block
     segment_slots_per_block: int = 2
+    sorted_block_tokens: int = 16  # the sorted kernel's block length
+    num_slots: int = 1  # adapter slots of every site (the sorted kernel sizes its layout for them and the base)
 
     @property
     def fallback(self) -> "KernelSpec":

@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils
-from .annotations import (BASE_WEIGHT, LORA_WEIGHT, ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, TOKEN_INDICES,
-                          GraphInputRequest, LoRAWeightRef)
+from .annotations import (BASE_WEIGHT, LORA_WEIGHT, ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, SORTED_BLOCK_SLOTS,
+                          SORTED_GATHER, SORTED_INVERSE, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
 from .fx_values import size_expr
 from .report import RewriteContext
 
@@ -188,6 +188,35 @@ def site_segment_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, f
                            fx_utils.call(graph, "call_function", operator.add, count, bt - 1), bt)
     return (fx_utils.call(graph, "call_method", "narrow", block_slots, 0, 0, blocks),
             fx_utils.call(graph, "call_method", "narrow", pick, 0, 0, count))
+
+
+def site_sorted_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,
+                       device) -> Optional[Tuple[fx.Node, fx.Node, fx.Node]]:
+    """The sorted kernel's (gather ``[NB * BS]``, block_slots ``[NB]``, inverse ``[T]``) for a site on the graph's
+    token layout, else None (a row selection keeps the token indices).
+
+    Any layout, flat ``[T]`` included.  The inputs are fixed-size buffers
+    the graph narrows to ``NB = (T + G * (BS - 1)) // BS`` blocks for G =
+    ``ctx.num_slots + 1`` groups (``ops_sorted.sorted_blocks``) and T tokens.
+    """
+    if not _on_token_layout(ctx, tokens, n_feature_dims):
+        return None
+    bs, groups = ctx.sorted_block_tokens, ctx.num_slots + 1
+    max_blocks = (ctx.max_num_tokens + groups * (bs - 1)) // bs
+    blocks_arg = (bs, groups)
+    gather = fx_utils.get_or_add_input(graph, f"lora_{SORTED_GATHER}", GraphInputRequest(
+        SORTED_GATHER, None, (max_blocks * bs,), blocks=blocks_arg), device)
+    block_slots = fx_utils.get_or_add_input(graph, f"lora_{SORTED_BLOCK_SLOTS}", GraphInputRequest(
+        SORTED_BLOCK_SLOTS, None, (max_blocks,), blocks=blocks_arg), device)
+    inverse = fx_utils.get_or_add_input(graph, f"lora_{SORTED_INVERSE}", GraphInputRequest(
+        SORTED_INVERSE, None, (ctx.max_num_tokens,), blocks=blocks_arg), device)
+    count = fx_utils.call(graph, "call_method", "size", flat, 0)
+    blocks = fx_utils.call(graph, "call_function", operator.floordiv,
+                           fx_utils.call(graph, "call_function", operator.add, count, groups * (bs - 1)), bs)
+    rows = fx_utils.call(graph, "call_function", operator.mul, blocks, bs)
+    return (fx_utils.call(graph, "call_method", "narrow", gather, 0, 0, rows),
+            fx_utils.call(graph, "call_method", "narrow", block_slots, 0, 0, blocks),
+            fx_utils.call(graph, "call_method", "narrow", inverse, 0, 0, count))
 
 
 def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx.Node, n_feature_dims: int,

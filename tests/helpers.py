@@ -30,6 +30,35 @@ def compile_lora(model, device, max_num_tokens: int, **backend_kw):
     return meta, backend, torch.compile(model, backend=backend)
 
 
+def packed(segments) -> list:
+    """One entry per token from ``[(adapter, length), ...]``: requests as contiguous segments."""
+    return [a for a, n in segments for _ in range(n)]
+
+
+def kernel_op_case(idx, num_slots=3, rank=4, d=16, o=12, dtype=torch.float32, seed=0):
+    """(x [T, d], A [N, rank, d], B [N, o, rank], y [T, o], int32 idx) for a kernel's op-level tests."""
+    g = torch.Generator().manual_seed(seed)
+    t = len(idx)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    a = torch.randn(num_slots, rank, d, generator=g).to(dtype)
+    b = torch.randn(num_slots, o, rank, generator=g).to(dtype)
+    y = torch.randn(t, o, generator=g).to(dtype)
+    return x, a, b, y, torch.tensor(idx, dtype=torch.int32)
+
+
+def two_layer_per_token(model, x, mapping):
+    """TwoLayer's proj is its only LoRA layer and tokens do not interact: a row-wise selection is the truth."""
+    with torch.no_grad():
+        outs = {}
+        for name in {m for m in mapping if m is not None}:
+            model.set_adapter(name)
+            outs[name] = model(x)
+        with model.disable_adapter():
+            outs[None] = model(x)
+        model.set_adapter("sql")
+    return torch.stack([outs[m][i] for i, m in enumerate(mapping)])
+
+
 def normalize_gm(gm: fx.GraphModule) -> str:
     """The readable graph without source paths and line numbers, for golden files."""
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)

@@ -8,6 +8,7 @@ import torch
 
 import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
 from xla_lora_pass.ops_segments import build_segment_layout
+from xla_lora_pass.ops_sorted import build_sorted_layout
 
 T, D, O, R, N = 6, 5, 7, 3, 4
 ROWS = 2  # T tokens as ROWS rows of T // ROWS
@@ -29,6 +30,7 @@ def _samples():
     emb_a = torch.randn(N, R, D, generator=g)  # [N, R, vocab]
     bias = torch.randn(N, O, generator=g)
     segments = tuple(build_segment_layout(idx, block_tokens=4, slots_per_block=3))  # 2 blocks, the last padded
+    sorted_ = tuple(build_sorted_layout(idx, block_tokens=2, groups=N + 1))  # a base block, pad rows and blocks
     return {
         "bgmv_shrink": [((x, a, idx, 1.0), {}), ((x, a, idx, 0.5), {})],
         "bgmv_expand": [((xr, b, y, idx, True), {}), ((xr, b, y, idx, False), {})],
@@ -41,6 +43,9 @@ def _samples():
         "bgmv_shrink_segments": [((x, a.transpose(1, 2).contiguous(), *segments, 0.5), {})],
         "bgmv_expand_segments": [((xr, b.transpose(1, 2).contiguous(), y, *segments, True), {}),
                                  ((xr, b.transpose(1, 2).contiguous(), y, *segments, False), {})],
+        "bgmv_shrink_sorted": [((x, a.transpose(1, 2).contiguous(), *sorted_, 0.5), {})],
+        "bgmv_expand_sorted": [((xr, b.transpose(1, 2).contiguous(), y, *sorted_, True), {}),
+                               ((xr, b.transpose(1, 2).contiguous(), y, *sorted_, False), {})],
     }
 
 

@@ -115,13 +115,14 @@ def test_per_row_mapping_runs_the_row_kernel_and_matches_eager(served):
     assert (with_fresh[2] - base[2]).abs().max().item() > 1e-3
 
 
-def test_mapping_mixed_within_rows_switches_to_the_masked_kernel_once(served):
+def test_mapping_mixed_within_rows_switches_to_the_sorted_kernel_once(served):
     s = served
     n = 16
     # Row 0 switches adapter at position 8: causal attention means positions < 8 see only "sql"
     # tokens, so they equal the all-"sql" row; positions >= 8 alternate "chat" and "code" with an "sql"
     # prefix (three adapters in one block of 32 tokens: not a segment layout either).
-    # Check the exact parts against eager PEFT, and the whole against the masked kernel run alone.
+    # Check the exact parts against eager PEFT, and the whole against the masked kernel run alone (the
+    # sorted kernel runs it: 64 tokens over 4 slots are worth sorting, kernels.sorted_fits).
     mixed = per_sequence_mapping(ROWS, n)
     mixed[8:16] = ["chat", "code"] * 4
     s["meta"].set_token_adapters(mixed)
@@ -130,9 +131,10 @@ def test_mapping_mixed_within_rows_switches_to_the_masked_kernel_once(served):
     assert (got[1:] - per_row[1:]).abs().max().item() < 1e-4  # rows 1-3 are per-row
     assert (got[0, :8] - per_row[0, :8]).abs().max().item() < 1e-4  # the "sql" prefix of row 0
     assert (got[0, 8:] - per_row[0, 8:]).abs().max().item() > 1e-3  # ...and its "chat" tail differs
-    graph = next(g for g in s["backend"].graphs if "masked" in g.variants)
-    masked = graph.variants["masked"]
-    assert "rows" not in masked.kernels and masked.report.counts() == graph.report.counts()
+    graph = next(g for g in s["backend"].graphs if "sorted" in g.variants)
+    mixed_graph = graph.variants["sorted"]
+    assert "masked" not in graph.variants
+    assert mixed_graph.kernels == {"sorted"} and mixed_graph.report.counts() == graph.report.counts()
     # The masked rewrite of the same graph, run on its own through a fresh masked-kernel backend.
     saved = xlp.config.kernel
     try:

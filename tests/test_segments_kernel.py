@@ -8,31 +8,17 @@ from xla_lora_pass import kernels, ops
 from xla_lora_pass.demo_models import per_token_reference, tiny_peft_llama
 from xla_lora_pass.ops_segments import build_segment_layout, segment_token_indices
 
-from .helpers import assert_golden, check_rewrite, compile_lora, count_ops, normalize_gm, shrink_expand_counts
+from .helpers import (assert_golden, check_rewrite, compile_lora, count_ops, kernel_op_case, normalize_gm, packed,
+                      shrink_expand_counts, two_layer_per_token)
 from .models import peft_two_layer
 from .xla_utils import xla_compiles
-
-
-def packed(segments):
-    """One entry per token from ``[(adapter, length), ...]``: requests as contiguous segments."""
-    return [a for a, n in segments for _ in range(n)]
-
-
-def _op_case(idx, num_slots=3, rank=4, d=16, o=12, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = len(idx)
-    x = torch.randn(t, d, generator=g).to(dtype)
-    a = torch.randn(num_slots, rank, d, generator=g).to(dtype)
-    b = torch.randn(num_slots, o, rank, generator=g).to(dtype)
-    y = torch.randn(t, o, generator=g).to(dtype)
-    return x, a, b, y, torch.tensor(idx, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_segment_ops_equal_the_per_token_reference(dtype, tol):
     # Segments at any offset, a base-model segment, 45 tokens in blocks of 8 (6 blocks of 8, the last padded).
     idx = packed([(2, 11), (-1, 8), (0, 9), (1, 14), (2, 3)])
-    x, a, b, y, idx = _op_case(idx, dtype=dtype)
+    x, a, b, y, idx = kernel_op_case(idx, dtype=dtype)
     layout = build_segment_layout(idx, block_tokens=8, slots_per_block=2)
     assert layout is not None and torch.equal(segment_token_indices(*layout), idx)
     a_t, b_t = a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()
@@ -61,25 +47,12 @@ def test_layout_fits_only_blocks_within_their_passes():
 
 
 def test_nan_stays_in_its_token():
-    x, a, b, y, idx = _op_case(packed([(0, 5), (1, 11)]))
+    x, a, b, y, idx = kernel_op_case(packed([(0, 5), (1, 11)]))
     x[3] = float("nan")
     layout = build_segment_layout(idx, block_tokens=8, slots_per_block=2)
     t = torch.ops.xla_lora.bgmv_shrink_segments(x, a.transpose(1, 2).contiguous(), *layout, 1.0)
     out = torch.ops.xla_lora.bgmv_expand_segments(t, b.transpose(1, 2).contiguous(), y, *layout, True)
     assert out[3].isnan().all() and not out[torch.arange(16) != 3].isnan().any()
-
-
-def _per_token(model, x, mapping):
-    """TwoLayer's proj is its only LoRA layer and tokens do not interact: a row-wise selection is the truth."""
-    with torch.no_grad():
-        outs = {}
-        for name in {m for m in mapping if m is not None}:
-            model.set_adapter(name)
-            outs[name] = model(x)
-        with model.disable_adapter():
-            outs[None] = model(x)
-        model.set_adapter("sql")
-    return torch.stack([outs[m][i] for i, m in enumerate(mapping)])
 
 
 def test_segment_rewrite_golden_and_numerics(update_golden, monkeypatch):
@@ -90,7 +63,7 @@ def test_segment_rewrite_golden_and_numerics(update_golden, monkeypatch):
     meta.register_adapters(model)
     x = torch.randn(48, 16)
     mapping = packed([("sql", 20), (None, 12), ("chat", 16)])
-    reference = _per_token(model, x, mapping)  # before the mapping is set: the eager guard would refuse
+    reference = two_layer_per_token(model, x, mapping)  # before the mapping is set: the eager guard would refuse
     meta.set_token_adapters(mapping)
     new_gm, _ = check_rewrite(model, [x], meta, rewrites={"lora_linear": 1}, ops=shrink_expand_counts(1, 1),
                               reference=reference, token_dims=(48,))
@@ -145,7 +118,7 @@ def test_packed_requests_run_the_segment_kernel_exactly(served):
     assert xla_compiles() == before
 
 
-def test_a_mapping_that_is_not_segments_runs_the_masked_kernel(served):
+def test_a_mapping_that_is_not_segments_runs_the_sorted_kernel(served):
     s = served
     g = torch.Generator().manual_seed(9)
     mixed = [["sql", "chat", "code", None][int(i)] for i in torch.randint(0, 4, (120,), generator=g)]
@@ -154,7 +127,7 @@ def test_a_mapping_that_is_not_segments_runs_the_masked_kernel(served):
     assert not kernels.segments_fit(s["meta"], (1, 120), (1, 128), 32, 2)
     assert (got - want).abs().max().item() < 1e-4
     graph = _graph(s)
-    assert graph.variants["masked"].programs
+    assert graph.variants["sorted"].programs and "masked" not in graph.variants
     assert len(graph.variants["segments"].programs) == segments_before
     # The metadata refuses the segment layout outright: a hand-rewritten graph cannot misuse it.
     with pytest.raises(xlp.UnsupportedMappingError, match="more than 2 adapters"):
@@ -167,7 +140,7 @@ def test_flat_token_batches_switch_from_masked_to_segments(xla_device):
     model = peft_two_layer()
     x = torch.randn(100, 16)
     mapping = packed([("sql", 40), (None, 27), ("chat", 33)])
-    want = _per_token(model, x, mapping)
+    want = two_layer_per_token(model, x, mapping)
     meta, backend, compiled = compile_lora(model, xla_device, max_num_tokens=128)
     meta.set_token_adapters(mapping)
     with torch.no_grad():

@@ -18,7 +18,7 @@ from .bucketing import Buckets
 from .compiled_graph import CompiledLoRAGraph
 from .dump import dump_graphs
 from .generation import attach_backend
-from .kernels import AUTO, FALLBACK
+from .kernels import AUTO, FALLBACK, MIXED
 from .metadata import LoRAMetadata
 from .rewrite import rewrite
 
@@ -83,13 +83,16 @@ class LoRABackend:
         specialization), then for every bucket size, with every token on the
         base model, once per kernel serving will use: ``kernels`` names them
         ("auto": the row kernel, one adapter per request; "segments": packed
-        requests; "masked": adapters mixed within a request, warmed for rows of
-        two tokens or more).  The default is ("auto", "masked"), or ("auto",)
-        with ``mixed_rows=False`` when every request has one adapter, which
-        halves the work.
+        requests; "sorted": adapters mixed within a request, warmed for rows of
+        two tokens or more, where a bucket too small for the sorted kernel
+        warms the masked kernel it falls to, so each bucket gets the one
+        program such a mapping runs; "masked": the masked kernel everywhere).
+        The default is ("auto", "sorted"), or ("auto",) with
+        ``mixed_rows=False`` when every request has one adapter, which halves
+        the work.
         """
         sizes = list(sizes) if sizes is not None else [2, 1] + list(self.buckets)
-        kernels = list(kernels) if kernels is not None else [AUTO] + ([FALLBACK] if mixed_rows else [])
+        kernels = list(kernels) if kernels is not None else [AUTO] + ([MIXED] if mixed_rows else [])
         before = self.meta.stats["compiles"]
         with self.meta.warming_up(), progress_bar(sizes, "precompile", progress) as bar:
             for n in bar:
@@ -97,10 +100,10 @@ class LoRABackend:
                 with torch.no_grad():
                     for kernel in kernels:
                         # A kernel no graph has a rewrite for would only run the same programs again, and
-                        # rows of one token cannot mix adapters: no masked program to warm for them.
+                        # rows of one token cannot mix adapters: no mixed program to warm for them.
                         if kernel != AUTO and not any(g.variant(kernel) is not g for g in self.graphs):
                             continue
-                        if kernel == FALLBACK and n == 1:
+                        if kernel in (MIXED, FALLBACK) and n == 1:
                             continue
                         self.warming_kernel = kernel
                         try:

@@ -134,7 +134,8 @@ class CompiledLoRAGraph:
         the mapping: one adapter per row of the token grid (decoding's rows
         of one token always are) takes the row kernel (this graph, as "auto"
         rewrote it), requests packed as segments the segment kernel, anything
-        else the masked kernel.  Results never depend on the choice, only
+        else the sorted kernel, or the masked kernel in a bucket too small for
+        sorting to pay.  Results never depend on the choice, only
         cost does.  A graph rewritten with a fixed kernel, or with no site,
         always runs itself.
         """
@@ -142,12 +143,18 @@ class CompiledLoRAGraph:
             return self
         if padded_dims[-1] < config.row_kernel_min_tokens:
             return self.variant(FALLBACK)  # rows below the row kernel's minimum length
-        if self.backend.warming_kernel is not None:
-            return self.variant(self.backend.warming_kernel)
+        def requests_of(name):
+            return self.variant(name).extra_requests
+
+        warming = self.backend.warming_kernel
+        if warming == AUTO:
+            return self
+        if warming is not None:
+            # What a call from that kernel on runs: a bucket the kernel does not fit warms the one it falls to.
+            return self.variant(choose(self.meta, requests_of, token_dims, padded_dims, start=warming))
         if self.meta.is_warming_up:
             return self  # warming without a named kernel (precompile_generate) warms "auto"'s own programs
-        return self.variant(choose(self.meta, lambda name: self.variant(name).extra_requests, token_dims,
-                                   padded_dims))
+        return self.variant(choose(self.meta, requests_of, token_dims, padded_dims))
 
     def variant(self, kernel: str) -> "CompiledLoRAGraph":
         """This graph rewritten with ``kernel`` ("auto" and the kernel "auto" rewrites with: itself), built once,

@@ -21,20 +21,24 @@ one entry here (docs/kernels.md, "Adding a kernel").
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from graph_rewrites import STACKED_A, STACKED_B, STACKED_BIAS, STACKED_DORA, TOKEN_INDICES
 from graph_rewrites.annotations import (POOLED_ROW_SLOTS, ROW_SLOTS, SAVED_MODULE_PARAM, SEGMENT_BLOCK_SLOTS,
-                                        SEGMENT_PICK, STACKED_A_T, STACKED_B_T, GraphInputRequest)
+                                        SEGMENT_PICK, SORTED_BLOCK_SLOTS, SORTED_GATHER, SORTED_INVERSE,
+                                        STACKED_A_T, STACKED_B_T, GraphInputRequest)
 from graph_rewrites.kernels import KernelSpec
-from graph_rewrites.site_inputs import site_row_slots, site_segment_layout
+from graph_rewrites.site_inputs import site_row_slots, site_segment_layout, site_sorted_layout
 
-from . import ops, ops_rows, ops_segments  # noqa: F401  (register the torch.ops.xla_lora ops the specs name)
+# Imported to register the torch.ops.xla_lora ops the specs name.
+from . import ops, ops_rows, ops_segments, ops_sorted  # noqa: F401
 from .errors import UnsupportedMappingError
 from .metadata import LoRAMetadata
 from .ops_segments import build_segment_layout
+from .ops_sorted import build_sorted_layout, sorted_blocks, sorted_buffers
 
 # (meta, request, device, real token dims, padded token dims) -> the tensor for one added placeholder.
 Feed = Callable[[LoRAMetadata, GraphInputRequest, torch.device, tuple, tuple], torch.Tensor]
@@ -69,8 +73,8 @@ def segment_inputs(meta: LoRAMetadata, device, real, padded, block_tokens: int,
             raise UnsupportedMappingError(
                 f"the mapping uses more than {slots_per_block} adapters in some block of {block_tokens} "
                 f"consecutive tokens (token dims {list(real)}): a graph rewritten with the segment kernel cannot "
-                "run it (the backend switches to the masked kernel; rewrite(..., kernel='masked') does the same "
-                "for a graph rewritten by hand)")
+                "run it (the backend switches to the sorted or masked kernel; rewrite(..., kernel='sorted') does "
+                "the same for a graph rewritten by hand)")
         return tuple(t.to(device) for t in ops_segments.segment_buffers(layout, block_tokens, meta.max_num_tokens))
     return meta.step_value(("segment_inputs", str(device), block_tokens, slots_per_block), real, padded, build)
 
@@ -82,6 +86,32 @@ def _host_segments(meta: LoRAMetadata, real, padded, block_tokens: int, slots_pe
 
 def _segment_input(i: int) -> Feed:
     return lambda meta, req, device, real, padded: segment_inputs(meta, device, real, padded, *req.blocks)[i]
+
+
+def sorted_fits(req: GraphInputRequest, padded) -> bool:
+    """Whether the sorted kernel is worth running for a bucket of ``padded`` token dims: its sorted rows
+    (the tokens, each slot's padded to whole blocks) at most half the masked kernel's N rows per token.  It is
+    exact for any mapping; this keeps small buckets (a decode step's few tokens) on the masked kernel, whose
+    block padding would outweigh the work."""
+    tokens = math.prod(int(d) for d in padded)
+    block_tokens, groups = req.blocks
+    return 2 * sorted_blocks(tokens, block_tokens, groups) * block_tokens <= tokens * (groups - 1)
+
+
+def sorted_inputs(meta: LoRAMetadata, device, real, padded, block_tokens: int,
+                  groups: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sorted kernel's (gather, block_slots, inverse) on ``device`` for this step (ops_sorted.py), shared by
+    every site, in buffers sized for ``meta.max_num_tokens``."""
+    max_blocks = sorted_blocks(meta.max_num_tokens, block_tokens, groups)
+
+    def build(grid):
+        layout = build_sorted_layout(grid, block_tokens, groups)
+        return tuple(t.to(device) for t in sorted_buffers(layout, block_tokens, max_blocks, meta.max_num_tokens))
+    return meta.step_value(("sorted_inputs", str(device), block_tokens, groups), real, padded, build)
+
+
+def _sorted_input(i: int) -> Feed:
+    return lambda meta, req, device, real, padded: sorted_inputs(meta, device, real, padded, *req.blocks)[i]
 
 
 KERNELS: Dict[str, Kernel] = {
@@ -97,11 +127,21 @@ KERNELS: Dict[str, Kernel] = {
                    site_inputs=site_segment_layout, input_kinds=(SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)),
         feeds={SEGMENT_BLOCK_SLOTS: _segment_input(0), SEGMENT_PICK: _segment_input(1)},
         fits=lambda meta, req, real, padded: segments_fit(meta, real, padded, *req.blocks)),
+    # Any mapping, the tokens ordered by slot on the host into blocks of one slot each (ops_sorted.py).
+    "sorted": Kernel(
+        KernelSpec("sorted", "bgmv_shrink_sorted", "bgmv_expand_sorted", transposed=True,
+                   site_inputs=site_sorted_layout, input_kinds=(SORTED_GATHER, SORTED_BLOCK_SLOTS, SORTED_INVERSE)),
+        feeds={SORTED_GATHER: _sorted_input(0), SORTED_BLOCK_SLOTS: _sorted_input(1),
+               SORTED_INVERSE: _sorted_input(2)},
+        fits=lambda meta, req, real, padded: sorted_fits(req, padded)),
     # Every token times every slot's columns, then a select (ops.py): any mapping.
     "masked": Kernel(KernelSpec("masked", "bgmv_shrink", "bgmv_expand", transposed=False), feeds={}),
 }
 
 AUTO = "auto"
+# Where a mapping that mixes adapters within a row starts, past the kernels that need a shape of mapping:
+# precompile warms it (and, for buckets it does not fit, what it falls to) for such mappings.
+MIXED = "sorted"
 FIRST = next(iter(KERNELS))  # the kernel "auto" rewrites with
 FALLBACK = list(KERNELS)[-1]
 # config.kernel: "auto", or one kernel for every call.  Not the first alone: it is exact only for the
@@ -156,13 +196,17 @@ def kernels_run(requests: Sequence[GraphInputRequest]) -> frozenset:
 
 
 def choose(meta: LoRAMetadata, requests_of: Callable[[str], Sequence[GraphInputRequest]], token_dims,
-           padded_dims) -> str:
+           padded_dims, start: Optional[str] = None) -> str:
     """The per-call choice: the first kernel whose rewrite runs it and whose ``fits`` accepts the mapping.
 
     ``requests_of(name)`` is the graph inputs of the rewrite with kernel
-    ``name`` (made on first need); the fallback when none fits.
+    ``name`` (made on first need); the fallback when none fits.  ``start``:
+    consider the table from that kernel on (precompile warms what a kernel
+    falls to for a bucket it does not fit).
     """
-    for name, kernel in KERNELS.items():
+    names = list(KERNELS)
+    for name in names[names.index(start) if start is not None else 0:]:
+        kernel = KERNELS[name]
         if kernel.fits is None:
             break
         request = kernel_request(requests_of(name), name)

@@ -25,8 +25,8 @@ The layout is built once per step on the host (``build_segment_layout``),
 shared by every site, in buffers sized for ``max_num_tokens`` (the graph
 narrows them): shapes depend only on the bucket, so a new segment layout
 within a bucket compiles nothing.  A mapping some block of which uses more
-than K slots has no segment layout (None); the backend then runs the masked
-kernel.
+than K slots has no segment layout (None); the backend then runs the sorted
+kernel (ops_sorted.py), or the masked one for a bucket too small to sort.
 """
 from __future__ import annotations
 

@@ -150,7 +150,8 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata,
     ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=spec,
                          kernels=kernels.SPECS, row_kernel_min_tokens=config.row_kernel_min_tokens,
                          segment_block_tokens=config.segment_block_tokens,
-                         segment_slots_per_block=config.segment_slots_per_block)
+                         segment_slots_per_block=config.segment_slots_per_block,
+                         sorted_block_tokens=config.sorted_block_tokens, num_slots=meta.num_slots)
     try:
         graph_rewrites.run_passes(new_gm, ctx, config.passes)
         if not ctx.report.sites:
