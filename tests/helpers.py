@@ -30,6 +30,37 @@ def compile_lora(model, device, max_num_tokens: int, **backend_kw):
     return meta, backend, torch.compile(model, backend=backend)
 
 
+class ServedLlama:
+    """A tiny PEFT Llama with LoRA on every linear, compiled with the backend on ``device``, and its eager CPU
+    twin: the packed-batch tests serve token mappings through it and compare with a per-token reference."""
+
+    TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, device, rows: int = 1, max_num_tokens: int = 256):
+        from xla_lora_pass.demo_models import tiny_peft_llama
+
+        model, _ = tiny_peft_llama(targets=self.TARGETS)
+        self.cpu, _ = tiny_peft_llama(targets=self.TARGETS)
+        self.cpu.load_state_dict(model.state_dict())
+        self.meta, self.backend, self.compiled = compile_lora(model, device, max_num_tokens=max_num_tokens)
+        self.ids = torch.randint(0, 128, (rows, 128), generator=torch.Generator().manual_seed(5))
+        self.device = device
+
+    def run(self, mapping, rows: int = 1):
+        """(compiled logits, per-token eager logits) of the first ``rows`` rows under the flat ``mapping``."""
+        from xla_lora_pass.demo_models import per_token_reference
+
+        ids = self.ids[:rows, :len(mapping) // rows]
+        self.meta.set_token_adapters(mapping)
+        with torch.no_grad():
+            got = self.compiled(input_ids=ids.to(self.device)).logits.cpu()
+        return got, per_token_reference(self.cpu, ids, mapping)
+
+    def dynamic_graph(self):
+        """The Dynamo graph of the calls after the first (Dynamo's first, static trace may be another)."""
+        return next(g for g in reversed(self.backend.graphs) if g.source is not None)
+
+
 def packed(segments) -> list:
     """One entry per token from ``[(adapter, length), ...]``: requests as contiguous segments."""
     return [a for a, n in segments for _ in range(n)]

@@ -5,11 +5,10 @@ import torch
 
 import xla_lora_pass as xlp
 from xla_lora_pass import kernels, ops
-from xla_lora_pass.demo_models import per_token_reference, tiny_peft_llama
 from xla_lora_pass.ops_segments import build_segment_layout, segment_token_indices
 
 from .helpers import (assert_golden, check_rewrite, compile_lora, count_ops, kernel_op_case, normalize_gm, packed,
-                      shrink_expand_counts, two_layer_per_token)
+                      shrink_expand_counts, two_layer_per_token, ServedLlama)
 from .models import peft_two_layer
 from .xla_utils import xla_compiles
 
@@ -71,41 +70,20 @@ def test_segment_rewrite_golden_and_numerics(update_golden, monkeypatch):
     assert_golden("lora_linear_segments", normalize_gm(new_gm), update_golden)
 
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @pytest.fixture(scope="module")
 def served(xla_device):
     torch._dynamo.reset()
-    model, names = tiny_peft_llama(targets=TARGETS)
-    cpu_model, _ = tiny_peft_llama(targets=TARGETS)
-    cpu_model.load_state_dict(model.state_dict())
-    meta, backend, compiled = compile_lora(model, xla_device, max_num_tokens=256)
-    ids = torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(5))
-    yield dict(ids=ids, meta=meta, backend=backend, compiled=compiled, device=xla_device, cpu=cpu_model)
+    yield ServedLlama(xla_device, rows=1)
     torch._dynamo.reset()
-
-
-def _run(s, mapping):
-    n = len(mapping)
-    s["meta"].set_token_adapters(mapping)
-    with torch.no_grad():
-        got = s["compiled"](input_ids=s["ids"][:, :n].to(s["device"])).logits.cpu()
-    return got, per_token_reference(s["cpu"], s["ids"][:, :n], mapping)
-
-
-def _graph(s):
-    """The Dynamo graph of the [1, T] calls (the first, static trace may be another)."""
-    return next(g for g in reversed(s["backend"].graphs) if g.source is not None)
 
 
 def test_packed_requests_run_the_segment_kernel_exactly(served):
     s = served
     for mapping in (packed([("sql", 40), ("chat", 33), (None, 23)]),  # Dynamo's first (static) trace
                     packed([("chat", 37), ("code", 32), ("sql", 50), (None, 1)])):  # dynamic, bucket 128
-        got, want = _run(s, mapping)
+        got, want = s.run(mapping)
         assert (got - want).abs().max().item() < 1e-4
-    graph = _graph(s)
+    graph = s.dynamic_graph()
     assert "segments" in graph.variants and "masked" not in graph.variants
     assert graph.variants["segments"].programs and not graph.programs
     # Another segment layout of the same 120 tokens: other lengths, offsets and adapters; nothing compiles.
@@ -113,7 +91,7 @@ def test_packed_requests_run_the_segment_kernel_exactly(served):
     before = xla_compiles()
     for mapping in (packed([("code", 64), ("sql", 33), ("chat", 23)]),
                     packed([(None, 35), ("chat", 45), ("sql", 32), ("code", 8)])):
-        got, want = _run(s, mapping)
+        got, want = s.run(mapping)
         assert (got - want).abs().max().item() < 1e-4
     assert xla_compiles() == before
 
@@ -122,16 +100,16 @@ def test_a_mapping_that_is_not_segments_runs_the_sorted_kernel(served):
     s = served
     g = torch.Generator().manual_seed(9)
     mixed = [["sql", "chat", "code", None][int(i)] for i in torch.randint(0, 4, (120,), generator=g)]
-    segments_before = len(_graph(s).variants["segments"].programs)
-    got, want = _run(s, mixed)
-    assert not kernels.segments_fit(s["meta"], (1, 120), (1, 128), 32, 2)
+    segments_before = len(s.dynamic_graph().variants["segments"].programs)
+    got, want = s.run(mixed)
+    assert not kernels.segments_fit(s.meta, (1, 120), (1, 128), 32, 2)
     assert (got - want).abs().max().item() < 1e-4
-    graph = _graph(s)
+    graph = s.dynamic_graph()
     assert graph.variants["sorted"].programs and "masked" not in graph.variants
     assert len(graph.variants["segments"].programs) == segments_before
     # The metadata refuses the segment layout outright: a hand-rewritten graph cannot misuse it.
     with pytest.raises(xlp.UnsupportedMappingError, match="more than 2 adapters"):
-        kernels.segment_inputs(s["meta"], "cpu", (1, 120), (1, 128), 32, 2)
+        kernels.segment_inputs(s.meta, "cpu", (1, 120), (1, 128), 32, 2)
 
 
 def test_flat_token_batches_switch_from_masked_to_segments(xla_device):

@@ -5,15 +5,15 @@ import torch
 
 import xla_lora_pass as xlp
 from xla_lora_pass import kernels, ops
-from xla_lora_pass.demo_models import eager_reference, per_token_reference, tiny_peft_llama
+from xla_lora_pass.demo_models import eager_reference, tiny_peft_llama
 from xla_lora_pass.ops_sorted import build_sorted_layout, sorted_blocks, sorted_token_indices
 
 from .helpers import (assert_golden, check_rewrite, compile_lora, count_ops, kernel_op_case, normalize_gm, packed,
-                      shrink_expand_counts, two_layer_per_token)
+                      shrink_expand_counts, two_layer_per_token, ServedLlama)
 from .models import peft_two_layer
 from .xla_utils import xla_compiles
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = ServedLlama.TARGETS
 
 
 def random_mix(choices, n, seed):
@@ -103,55 +103,36 @@ def test_sorted_fits_buckets_where_sorting_beats_masking():
 @pytest.fixture(scope="module")
 def served(xla_device):
     torch._dynamo.reset()
-    model, names = tiny_peft_llama(targets=TARGETS)
-    cpu_model, _ = tiny_peft_llama(targets=TARGETS)
-    cpu_model.load_state_dict(model.state_dict())
-    meta, backend, compiled = compile_lora(model, xla_device, max_num_tokens=256)
-    ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(5))
-    yield dict(ids=ids, meta=meta, backend=backend, compiled=compiled, device=xla_device, cpu=cpu_model)
+    yield ServedLlama(xla_device, rows=4)
     torch._dynamo.reset()
-
-
-def _run(s, mapping, rows=1):
-    n = len(mapping) // rows
-    s["meta"].set_token_adapters(mapping)
-    ids = s["ids"][:rows, :n]
-    with torch.no_grad():
-        got = s["compiled"](input_ids=ids.to(s["device"])).logits.cpu()
-    return got, per_token_reference(s["cpu"], ids, mapping)
-
-
-def _graph(s):
-    """The Dynamo graph of the [B, T] calls (the first, static trace may be another)."""
-    return next(g for g in reversed(s["backend"].graphs) if g.source is not None)
 
 
 def test_random_mix_and_short_segments_run_the_sorted_kernel_exactly(served):
     s = served
     adapters = ["sql", "chat", "code", None]
-    _run(s, ["sql"] * 8)  # Dynamo's first (static) trace; the [1, T] calls below take its dynamic graph
+    s.run(["sql"] * 8)  # Dynamo's first (static) trace; the [1, T] calls below take its dynamic graph
     for mapping in (random_mix(adapters, 120, seed=1),  # bucket 128, 8 padded tokens
                     packed([(adapters[j % 4], 8) for j in range(15)])):  # segments of 8: 4 slots per 32 tokens
-        got, want = _run(s, mapping)
+        got, want = s.run(mapping)
         assert (got - want).abs().max().item() < 1e-4
-    graph = _graph(s)
+    graph = s.dynamic_graph()
     assert graph.variants["sorted"].programs and "masked" not in graph.variants
     # Other mixes of the same 120 tokens, base-model tokens among them: nothing compiles.
     before = xla_compiles()
     for seed in (2, 3):
-        got, want = _run(s, random_mix(adapters, 120, seed=seed))
+        got, want = s.run(random_mix(adapters, 120, seed=seed))
         assert (got - want).abs().max().item() < 1e-4
-    got, want = _run(s, packed([(adapters[(j + 1) % 4], 8) for j in range(15)]))
+    got, want = s.run(packed([(adapters[(j + 1) % 4], 8) for j in range(15)]))
     assert (got - want).abs().max().item() < 1e-4
     assert xla_compiles() == before
 
 
 def test_the_choice_per_mapping(served):
     s = served
-    graph = _graph(s)
+    graph = s.dynamic_graph()
 
     def chosen(mapping, rows=1):
-        s["meta"].set_token_adapters(mapping)
+        s.meta.set_token_adapters(mapping)
         n = len(mapping) // rows
         return next(iter(graph.graph_for_call((rows, n), (rows, 128)).kernels), kernels.FALLBACK)
 
