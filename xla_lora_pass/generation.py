@@ -173,55 +173,53 @@ def _use_bucketed_static_cache(transformer: torch.nn.Module, backend, args, kwar
         kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad(decoder_total),
                                                   _batch_size(args, kwargs), cross_attention_length=encoder_length)
         return
-    total = _total_length(transformer, args, kwargs)
+    prompt_length = _prompt_length(args, kwargs)
+    total = None if prompt_length is None else _total_length(transformer, kwargs, prompt_length)
     if total is None:
         return
     kwargs.pop("cache_implementation", None)
     kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad(total), _batch_size(args, kwargs))
 
 
-def _total_length(transformer, args, kwargs) -> Optional[int]:
-    """Prompt length + new tokens (None if the prompt is not a tensor of ids or embeddings)."""
-    prompt = kwargs.get("input_ids", args[0] if args else None)
-    if prompt is None:
-        prompt = kwargs.get("inputs_embeds")
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
-        return None
+def _total_length(transformer, kwargs, start_length: int) -> Optional[int]:
+    """The sequence length a generate reaches from ``start_length`` tokens: + max_new_tokens, else max_length
+    (None if neither is set)."""
     config = kwargs.get("generation_config") or getattr(transformer, "generation_config", None)
     new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
     if new is not None:
-        return int(prompt.shape[1]) + int(new)
+        return start_length + int(new)
     max_length = kwargs.get("max_length", getattr(config, "max_length", None))
-    return None if max_length is None else max(int(max_length), int(prompt.shape[1]) + 1)
+    return None if max_length is None else max(int(max_length), start_length + 1)
+
+
+def _prompt_length(args, kwargs) -> Optional[int]:
+    """The prompt's length (None if it is not a tensor of ids or embeddings)."""
+    prompt = _prompt(args, kwargs)
+    return int(prompt.shape[1]) if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else None
 
 
 def _encoder_decoder_lengths(transformer, args, kwargs) -> Optional[tuple]:
     """(decoder start ids + new tokens, encoder length) of an encoder-decoder generate; None if unknown.
 
-    The decoder's self-attention cache gets the bucket of the first; the
+    The decoder's self-attention cache gets the bucket of the first (an
+    encoder-decoder's max_length counts the decoder's tokens); the
     cross-attention cache holds the encoder's keys, exactly its length (the
     encoder's attention mask has that length, so a padded cache could not be masked).
     """
-    prompt = kwargs.get("input_ids", args[0] if args else None)
-    if prompt is None:
-        prompt = kwargs.get("inputs_embeds")
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
-        return None
+    encoder_length = _prompt_length(args, kwargs)
     start = kwargs.get("decoder_input_ids")
-    start_length = int(start.shape[1]) if isinstance(start, torch.Tensor) and start.dim() == 2 else 1
-    config = kwargs.get("generation_config") or getattr(transformer, "generation_config", None)
-    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    if new is not None:
-        return start_length + int(new), int(prompt.shape[1])
-    # An encoder-decoder's max_length counts the decoder's tokens only.
-    max_length = kwargs.get("max_length", getattr(config, "max_length", None))
-    return None if max_length is None else (max(int(max_length), start_length + 1), int(prompt.shape[1]))
+    total = _total_length(transformer, kwargs, int(start.shape[1]) if isinstance(start, torch.Tensor) else 1)
+    return None if encoder_length is None or total is None else (total, encoder_length)
+
+
+def _prompt(args, kwargs):
+    """The prompt generate was given: its ids, or its embeddings."""
+    prompt = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs.get("inputs_embeds") if prompt is None else prompt
 
 
 def _batch_size(args, kwargs) -> int:
-    prompt = kwargs.get("input_ids", args[0] if args else None)
-    if prompt is None:
-        prompt = kwargs.get("inputs_embeds")
+    prompt = _prompt(args, kwargs)
     return int(prompt.shape[0]) * _expansion(kwargs)
 
 
