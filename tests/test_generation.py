@@ -134,14 +134,15 @@ def test_static_cache_decode_loop_with_request_adapters(xla_device):
     assert meta.stats["rewrites"]["lora_linear"] >= 4 and meta.stats["compiles"] <= 3
 
 
-def test_t5_encoder_and_decoder_of_different_lengths_on_per_row_adapters(xla_device):
+def _peft_t5(initializer_factor: float = 1.0):
+    """A tiny T5 with PEFT adapters sql, chat and code of different ranks on q and v."""
     from peft import LoraConfig, get_peft_model
     from transformers import T5Config, T5ForConditionalGeneration
 
-    torch._dynamo.reset()
     torch.manual_seed(0)
     config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                      decoder_start_token_id=0, pad_token_id=0)
+                      decoder_start_token_id=0, pad_token_id=0, eos_token_id=None,
+                      initializer_factor=initializer_factor)
     model = None
     for name, rank, alpha in (("sql", 4, 8), ("chat", 8, 16), ("code", 2, 2)):
         cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q", "v"], init_lora_weights=False)
@@ -149,7 +150,12 @@ def test_t5_encoder_and_decoder_of_different_lengths_on_per_row_adapters(xla_dev
             if model is None else model
         if name not in model.peft_config:
             model.add_adapter(name, cfg)
-    model.eval()
+    return model.eval()
+
+
+def test_t5_encoder_and_decoder_of_different_lengths_on_per_row_adapters(xla_device):
+    torch._dynamo.reset()
+    model = _peft_t5()
     gen = torch.Generator().manual_seed(1)
     ids, decoder_ids = torch.randint(1, 64, (4, 8), generator=gen), torch.randint(1, 64, (4, 4), generator=gen)
     with torch.no_grad():
@@ -165,6 +171,36 @@ def test_t5_encoder_and_decoder_of_different_lengths_on_per_row_adapters(xla_dev
     # q and v of 2 encoder blocks, and of the decoder's self- and cross-attention (v of cross-attention on the
     # encoder's 8 tokens, in the decoder's graph): all 12 sites rewritten, none left to compute one adapter.
     assert meta.stats["rewrites"] == {"lora_linear": 12}
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_t5_generate_on_the_compiled_model_is_exact_with_bounded_programs(xla_device, cache):
+    """T5's generate: an encoder-decoder static cache, so a third generate with the rows rotated compiles nothing."""
+    torch._dynamo.reset()
+    model = _peft_t5(initializer_factor=10.0)  # larger weights: greedy tokens that change from step to step
+    ids = torch.randint(1, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # one left-padded prompt: the encoder's mask reaches the cross-attention
+    refs = [_generate(model, ids, mask, rows, cache) for rows in ROTATIONS]
+    assert len({tuple(r.flatten().tolist()) for r in refs}) == 3, "the rotations must give different tokens"
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    compiles = []
+    for i, rows in enumerate(ROTATIONS):
+        steps_before, compiles_before = sum(meta.stats["bucket_hits"].values()), xla_compiles()
+        out = _generate(compiled, ids, mask, rows, cache, xla_device)
+        assert torch.equal(out, refs[i]), f"rotation {i}:\n{out}\n{refs[i]}"
+        # The encoder once, then one decoder step per new token, each through a rewritten program.
+        assert sum(meta.stats["bucket_hits"].values()) - steps_before == NEW_TOKENS + 1
+        compiles.append(xla_compiles() - compiles_before)
+    assert compiles[2] == 0, f"XLA compiles per generate: {compiles}"
+    assert meta.stats["compiles"] <= 8, dict(meta.stats["bucket_hits"])
+    # q and v of the encoder's 2 blocks (4), the first decoder step's self- and cross-attention (8), the later
+    # steps' (6: cross-attention's v reads the cache): every site rewritten, none left to compute one adapter.
+    assert meta.stats["rewrites"] == {"lora_linear": 18}
 
 
 def test_precompile_generate_warms_the_prompt_and_decode_programs(xla_device):

@@ -11,9 +11,10 @@ replaces ``generate`` on the registered model's instance with
 - turns ``adapter_names`` (one per prompt row, ``"__base__"`` for the base
   model) into ``meta.set_request_adapters``, repeated per beam (as PEFT does) or returned sequence,
   and leaves PEFT's own per-layer hooks out;
-- points the transformer's ``forward`` at one ``torch.compile`` of it with
-  that backend for the duration of the call, so the prompt step and every
-  decode step run the rewritten programs;
+- points the transformer's ``forward`` (and an encoder-decoder's encoder's)
+  at one ``torch.compile`` of it with that backend for the duration of the
+  call, so the prompt (or encoder) step and every decode step run the
+  rewritten programs;
 - gives decoder-only models a ``StaticCache`` whose length is the backend's
   token bucket of prompt + new tokens, in place of the default dynamic cache
   and of ``cache_implementation="static"`` (whose length is the exact total):
@@ -22,6 +23,10 @@ replaces ``generate`` on the registered model's instance with
   values, which padding the cache would shift), so it would cost one program
   per generated token.  The static cache gives the same tokens (its unused
   positions are masked) with one decode program per batch size.
+  Encoder-decoder models (T5) get HF's ``EncoderDecoderCache`` of a static
+  self-attention cache of the bucket of decoder start + new tokens and a
+  static cross-attention cache of the encoder's length: the programs of one
+  prompt length and batch are compiled once, not once per generated length.
 
 A ``past_key_values`` the caller builds is used as given if it is a
 compileable (static) cache and refused otherwise, with an error that says to
@@ -87,8 +92,22 @@ def routed_generate(meta, model: torch.nn.Module, original, *args, **kwargs):
         meta.set_request_adapters(request_rows(adapter_names, _expansion(kwargs)))
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
     _use_bucketed_static_cache(transformer, backend, args, kwargs)
-    with _forward_through(transformer, backend):
+    with contextlib.ExitStack() as stack:
+        for module in _served_modules(transformer):
+            stack.enter_context(_forward_through(module, backend))
         return original(*args, **kwargs)
+
+
+def _served_modules(transformer: torch.nn.Module) -> list:
+    """The modules whose forward generate calls: the model, and an encoder-decoder's encoder, which HF's
+    generate calls on its own (``get_encoder()(...)``) before the first decoder step."""
+    modules = [transformer]
+    if getattr(getattr(transformer, "config", None), "is_encoder_decoder", False) and hasattr(transformer,
+                                                                                              "get_encoder"):
+        encoder = transformer.get_encoder()
+        if isinstance(encoder, torch.nn.Module) and encoder is not transformer:
+            modules.append(encoder)
+    return modules
 
 
 def request_rows(adapter_names, copies: int = 1) -> list:
@@ -103,7 +122,7 @@ def request_rows(adapter_names, copies: int = 1) -> list:
 
 @contextlib.contextmanager
 def _forward_through(transformer: torch.nn.Module, backend):
-    """``transformer.forward`` is the backend's compiled forward inside the block."""
+    """``transformer.forward`` (the model's or its encoder's) is the backend's compiled forward inside the block."""
     compiled = _compiled_forward(transformer, backend)
     had_own = "forward" in transformer.__dict__
     saved = transformer.__dict__.get("forward")
@@ -139,38 +158,68 @@ def _use_bucketed_static_cache(transformer: torch.nn.Module, backend, args, kwar
         return
     config = getattr(transformer, "config", None)
     implementation = kwargs.get("cache_implementation")
-    if config is None or getattr(config, "is_encoder_decoder", False) or kwargs.get("use_cache") is False:
+    if config is None or kwargs.get("use_cache") is False:
         return
     if implementation not in (None, "static"):
         raise ValueError(
             f"generate: cache_implementation={implementation!r} is not served by the xla_lora backend; use the "
             "default cache or cache_implementation='static' (both run on a static cache of a bucketed length)")
-    total = _total_length(transformer, args, kwargs)
+    if getattr(config, "is_encoder_decoder", False):
+        lengths = _encoder_decoder_lengths(transformer, args, kwargs)
+        if lengths is None:
+            return
+        kwargs.pop("cache_implementation", None)
+        decoder_total, encoder_length = lengths
+        kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad(decoder_total),
+                                                  _batch_size(args, kwargs), cross_attention_length=encoder_length)
+        return
+    prompt_length = _prompt_length(args, kwargs)
+    total = None if prompt_length is None else _total_length(transformer, kwargs, prompt_length)
     if total is None:
         return
     kwargs.pop("cache_implementation", None)
     kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad(total), _batch_size(args, kwargs))
 
 
-def _total_length(transformer, args, kwargs) -> Optional[int]:
-    """Prompt length + new tokens (None if the prompt is not a tensor of ids or embeddings)."""
-    prompt = kwargs.get("input_ids", args[0] if args else None)
-    if prompt is None:
-        prompt = kwargs.get("inputs_embeds")
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
-        return None
+def _total_length(transformer, kwargs, start_length: int) -> Optional[int]:
+    """The sequence length a generate reaches from ``start_length`` tokens: + max_new_tokens, else max_length
+    (None if neither is set)."""
     config = kwargs.get("generation_config") or getattr(transformer, "generation_config", None)
     new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
     if new is not None:
-        return int(prompt.shape[1]) + int(new)
+        return start_length + int(new)
     max_length = kwargs.get("max_length", getattr(config, "max_length", None))
-    return None if max_length is None else max(int(max_length), int(prompt.shape[1]) + 1)
+    return None if max_length is None else max(int(max_length), start_length + 1)
+
+
+def _prompt_length(args, kwargs) -> Optional[int]:
+    """The prompt's length (None if it is not a tensor of ids or embeddings)."""
+    prompt = _prompt(args, kwargs)
+    return int(prompt.shape[1]) if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else None
+
+
+def _encoder_decoder_lengths(transformer, args, kwargs) -> Optional[tuple]:
+    """(decoder start ids + new tokens, encoder length) of an encoder-decoder generate; None if unknown.
+
+    The decoder's self-attention cache gets the bucket of the first (an
+    encoder-decoder's max_length counts the decoder's tokens); the
+    cross-attention cache holds the encoder's keys, exactly its length (the
+    encoder's attention mask has that length, so a padded cache could not be masked).
+    """
+    encoder_length = _prompt_length(args, kwargs)
+    start = kwargs.get("decoder_input_ids")
+    total = _total_length(transformer, kwargs, int(start.shape[1]) if isinstance(start, torch.Tensor) else 1)
+    return None if encoder_length is None or total is None else (total, encoder_length)
+
+
+def _prompt(args, kwargs):
+    """The prompt generate was given: its ids, or its embeddings."""
+    prompt = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs.get("inputs_embeds") if prompt is None else prompt
 
 
 def _batch_size(args, kwargs) -> int:
-    prompt = kwargs.get("input_ids", args[0] if args else None)
-    if prompt is None:
-        prompt = kwargs.get("inputs_embeds")
+    prompt = _prompt(args, kwargs)
     return int(prompt.shape[0]) * _expansion(kwargs)
 
 
@@ -179,8 +228,15 @@ def _expansion(kwargs) -> int:
     return max(int(kwargs.get("num_beams") or 1), int(kwargs.get("num_return_sequences") or 1))
 
 
-def serving_cache(transformer: torch.nn.Module, max_cache_len: int, batch_size: int) -> Any:
+def serving_cache(transformer: torch.nn.Module, max_cache_len: int, batch_size: int,
+                  cross_attention_length: Optional[int] = None) -> Any:
     """The model's static cache of this length and batch, made once and reset for each generate.
+
+    ``cross_attention_length``: an encoder-decoder's cache, HF's
+    ``EncoderDecoderCache`` of a static self-attention cache of
+    ``max_cache_len`` positions and a static cross-attention cache of the
+    encoder's length (what transformers' own ``cache_implementation="static"``
+    builds for T5, with the self-attention length bucketed).
 
     Reused, not made anew: transformers marks an allocated cache's tensors
     as static addresses, which Dynamo guards by identity, so a new cache per
@@ -190,10 +246,16 @@ def serving_cache(transformer: torch.nn.Module, max_cache_len: int, batch_size: 
     """
     weight = next(transformer.parameters())
     caches = _serving_caches.setdefault(transformer, {})
-    key = (max_cache_len, batch_size, weight.dtype, str(weight.device))
+    key = (max_cache_len, batch_size, weight.dtype, str(weight.device), cross_attention_length)
     cache = caches.get(key)
     if cache is None:
-        cache = caches[key] = static_cache(transformer.config, max_cache_len, batch_size, weight.dtype, weight.device)
+        cache = static_cache(transformer.config, max_cache_len, batch_size, weight.dtype, weight.device)
+        if cross_attention_length is not None:
+            from transformers import EncoderDecoderCache
+
+            cross = static_cache(transformer.config, cross_attention_length, batch_size, weight.dtype, weight.device)
+            cache = EncoderDecoderCache(cache, cross)
+        caches[key] = cache
     else:
         cache.reset()
     return cache
@@ -216,7 +278,9 @@ def static_cache(config, max_cache_len: int, batch_size: int, dtype: Optional[to
     if dtype is not None and device is not None and hasattr(cache, "early_initialization"):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # T5's width per head is d_kv, not necessarily hidden / heads.
+        head_dim = (getattr(text, "head_dim", None) or getattr(text, "d_kv", None)
+                    or text.hidden_size // text.num_attention_heads)
         cache.early_initialization(batch_size, heads, head_dim, dtype, device)
     return cache
 
