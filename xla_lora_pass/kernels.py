@@ -84,10 +84,6 @@ def _host_segments(meta: LoRAMetadata, real, padded, block_tokens: int, slots_pe
                            lambda grid: build_segment_layout(grid, block_tokens, slots_per_block))
 
 
-def _segment_input(i: int) -> Feed:
-    return lambda meta, req, device, real, padded: segment_inputs(meta, device, real, padded, *req.blocks)[i]
-
-
 def sorted_fits(req: GraphInputRequest, padded) -> bool:
     """Whether the sorted kernel is worth running for a bucket of ``padded`` token dims: its sorted rows
     (the tokens, each slot's padded to whole blocks) at most half the masked kernel's N rows per token.  It is
@@ -110,8 +106,10 @@ def sorted_inputs(meta: LoRAMetadata, device, real, padded, block_tokens: int,
     return meta.step_value(("sorted_inputs", str(device), block_tokens, groups), real, padded, build)
 
 
-def _sorted_input(i: int) -> Feed:
-    return lambda meta, req, device, real, padded: sorted_inputs(meta, device, real, padded, *req.blocks)[i]
+def _nth_input(inputs: Callable, i: int) -> Feed:
+    """The feed of a kernel's i-th per-step input, from its ``inputs(meta, device, real, padded, *req.blocks)``,
+    which builds them all once per step."""
+    return lambda meta, req, device, real, padded: inputs(meta, device, real, padded, *req.blocks)[i]
 
 
 KERNELS: Dict[str, Kernel] = {
@@ -125,14 +123,14 @@ KERNELS: Dict[str, Kernel] = {
     "segments": Kernel(
         KernelSpec("segments", "bgmv_shrink_segments", "bgmv_expand_segments", transposed=True,
                    site_inputs=site_segment_layout, input_kinds=(SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)),
-        feeds={SEGMENT_BLOCK_SLOTS: _segment_input(0), SEGMENT_PICK: _segment_input(1)},
+        feeds={SEGMENT_BLOCK_SLOTS: _nth_input(segment_inputs, 0), SEGMENT_PICK: _nth_input(segment_inputs, 1)},
         fits=lambda meta, req, real, padded: segments_fit(meta, real, padded, *req.blocks)),
     # Any mapping, the tokens ordered by slot on the host into blocks of one slot each (ops_sorted.py).
     "sorted": Kernel(
         KernelSpec("sorted", "bgmv_shrink_sorted", "bgmv_expand_sorted", transposed=True,
                    site_inputs=site_sorted_layout, input_kinds=(SORTED_GATHER, SORTED_BLOCK_SLOTS, SORTED_INVERSE)),
-        feeds={SORTED_GATHER: _sorted_input(0), SORTED_BLOCK_SLOTS: _sorted_input(1),
-               SORTED_INVERSE: _sorted_input(2)},
+        feeds={SORTED_GATHER: _nth_input(sorted_inputs, 0), SORTED_BLOCK_SLOTS: _nth_input(sorted_inputs, 1),
+               SORTED_INVERSE: _nth_input(sorted_inputs, 2)},
         fits=lambda meta, req, real, padded: sorted_fits(req, padded)),
     # Every token times every slot's columns, then a select (ops.py): any mapping.
     "masked": Kernel(KernelSpec("masked", "bgmv_shrink", "bgmv_expand", transposed=False), feeds={}),
