@@ -9,6 +9,8 @@ linear of the decoder layers (r=16).  B sequences, sequence i on adapter
 i mod N, each with an HF ``StaticCache`` of ``prompt + decode calls`` positions.
 
 * ``prefill``: one ``[B, prompt]`` forward that fills the cache (cache_position 0..prompt-1).
+* ``prompt``: the same forward as ``generate``'s prompt step computes it, ``logits_to_keep=1``: the
+  logits of each row's last position only (``lm_head(hidden[:, -1:, :])``).
 * ``decode``: one ``[B, 1]`` forward at the next cache position, every step one position
   further (the cache is reset and refilled, untimed, before it would run out).
 
@@ -19,6 +21,9 @@ Configurations, each with its own model copy and cache:
 * ``xla_lora, masked kernel`` (``--masked``, decode only): the same with ``config.kernel = "masked"``.
 * ``xla_lora, row kernel from 1 token`` (``--rows``): ``config.row_kernel_min_tokens = 1`` (the default
   now; the setting that compared the two kernels at decode when the default was 2).
+* ``xla_lora, no fold_linear_inputs`` (``--no-fold``): the pass that gives a linear whose input
+  ``matmul`` cannot fold (the prompt step's last-position ``lm_head``; ``o_proj`` on decode's ``[B, 1, H]``
+  attention output) a contiguous input switched off (``config.passes``), as before it existed.
 
 A full greedy ``generate`` of ``--generate`` new tokens (default 32) is timed too, base against
 xla_lora (PEFT's ``generate(adapter_names=...)`` on the registered model), as tokens per second.
@@ -57,17 +62,22 @@ class Stream:
         self.device = prompt_ids.device
 
     @torch.no_grad()
-    def prefill(self):
-        """A fresh cache filled with the prompt; returns the logits on the CPU."""
+    def prefill(self, logits_to_keep: int = 0):
+        """A fresh cache filled with the prompt; returns the logits on the CPU (of the last ``logits_to_keep``
+        positions, 0: all)."""
         if self.cache is None:
             self.cache = _static_cache(self.model, self.max_len, self.prompt_ids.shape[0])
         else:
             self.cache.reset()  # transformers 5's StaticLayer writes at its own count: reset before reuse
         s = self.prompt_ids.shape[1]
         out = self.model(input_ids=self.prompt_ids, past_key_values=self.cache, use_cache=True,
-                         cache_position=torch.arange(s, device=self.device))
+                         cache_position=torch.arange(s, device=self.device), logits_to_keep=logits_to_keep)
         self.pos = s
         return out.logits.cpu()
+
+    def prompt(self):
+        """The prefill as generate's prompt step runs it: the last position's logits only."""
+        return self.prefill(logits_to_keep=1)
 
     @torch.no_grad()
     def decode(self):
@@ -147,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-prefill", action="store_true", help="time decode steps only")
     parser.add_argument("--masked", action="store_true", help="also time the masked kernel")
     parser.add_argument("--rows", action="store_true", help="also time the row kernel on rows of one token")
+    parser.add_argument("--no-fold", action="store_true",
+                        help="also time prefill and prompt with the fold_linear_inputs pass off")
     parser.add_argument("--generate", type=int, default=32, help="new tokens of the timed generate (0: none)")
     parser.add_argument("--generate-reps", type=int, default=3)
     args = parser.parse_args(argv)
@@ -178,6 +190,9 @@ def main(argv=None) -> int:
         configs["xla_lora, masked kernel"] = lora_config(kernel="masked")
     if args.rows:
         configs["xla_lora, row kernel from 1 token"] = lora_config(row_kernel_min_tokens=1)
+    no_fold = "xla_lora, no fold_linear_inputs"
+    if args.no_fold:
+        configs[no_fold] = lora_config(passes={**xlp.config.passes, "fold_linear_inputs": False})
 
     results = []
     for batch in batches:
@@ -225,23 +240,37 @@ def main(argv=None) -> int:
         c0 = xla_compile_stats()[0]
         decode = time_interleaved({name: (lambda name=name: run(name, "decode")) for name in configs},
                                   args.reps, args.steps)
-        prefill = None
+        prefill = prompt_step = None
         if not args.no_prefill:
             # Prefill: the default kernel only (the masked kernel at [B, S] is bench/step_time.py's subject).
-            prefill = time_interleaved({name: (lambda name=name: run(name, "prefill"))
-                                        for name in ("base, openxla", "xla_lora")}, args.reps, args.prefill_steps)
+            prefilled = [name for name in ("base, openxla", "xla_lora", no_fold) if name in configs]
+            c1 = xla_compile_stats()[0]
+            for name in prefilled:  # the prompt step is a graph of its own: compile it, and check it
+                last = run(name, "prefill")[:, -1:]
+                run(name, "prompt")
+                got = run(name, "prompt")
+                prompt_err = float((got - last).abs().max() / last.abs().max())
+                assert prompt_err < 1e-4, f"{name}: the prompt step's logits differ from its prefill's by {prompt_err}"
+            c0 += xla_compile_stats()[0] - c1
+            prefill = time_interleaved({name: (lambda name=name: run(name, "prefill")) for name in prefilled},
+                                       args.reps, args.prefill_steps)
+            prompt_step = time_interleaved({name: (lambda name=name: run(name, "prompt")) for name in prefilled},
+                                           args.reps, args.prefill_steps)
         compiles_timed = xla_compile_stats()[0] - c0
         generate = _time_generate(args, configs, base_cpu, prompt.to(dev), rows, dev) if args.generate else None
         row = dict(adapters=n, batch=batch, prompt=args.prompt, decode=decode, prefill=prefill,
                    decode_ratio=ratios(decode, "base, openxla"),
                    prefill_ratio=ratios(prefill, "base, openxla") if prefill else None,
+                   prompt=prompt_step, prompt_ratio=ratios(prompt_step, "base, openxla") if prompt_step else None,
                    generate=generate, warm=warm, max_rel_err=errors, xla_compiles_while_timed=compiles_timed,
                    xla_flags=os.environ.get("XLA_FLAGS", ""))
         results.append(row)
         med = {k: sorted(v)[len(v) // 2] for k, v in row["decode_ratio"].items()}
         pmed = {k: sorted(v)[len(v) // 2] for k, v in (row["prefill_ratio"] or {}).items()}
+        qmed = {k: sorted(v)[len(v) // 2] for k, v in (row["prompt_ratio"] or {}).items()}
         print(f"adapters={n} batch={batch}: decode " + ", ".join(f"{k}={v:.3f}" for k, v in med.items())
               + (" | prefill " + ", ".join(f"{k}={v:.3f}" for k, v in pmed.items()) if pmed else "")
+              + (" | prompt step " + ", ".join(f"{k}={v:.3f}" for k, v in qmed.items()) if qmed else "")
               + f" | base decode {sorted(decode['base, openxla'])[args.reps // 2] * 1e3:.1f} ms"
               + f" | compiles while timed {compiles_timed}"
               + (f" | generate tokens/s " + ", ".join(f"{k}={v:.1f}" for k, v in generate["tokens_per_s"].items())

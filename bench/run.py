@@ -87,7 +87,11 @@ def decode_tables(blocks):
                           + [summary(r["decode_ratio"][k]) for k in extra])
             if r["prefill_ratio"]:
                 pms = statistics.median(r["prefill"]["base, openxla"]) * 1e3
-                prefill.append([n, b, f"{pms:.0f}", summary(r["prefill_ratio"]["xla_lora"])])
+                row = [n, b, f"{pms:.0f}", summary(r["prefill_ratio"]["xla_lora"])]
+                if r.get("prompt_ratio"):  # generate's prompt step: the last position's logits only
+                    qms = statistics.median(r["prompt"]["base, openxla"]) * 1e3
+                    row += [f"{qms:.0f}", summary(r["prompt_ratio"]["xla_lora"])]
+                prefill.append(row)
             g = r.get("generate")
             if g:
                 tps = g["tokens_per_s"]
@@ -106,8 +110,12 @@ def decode_tables(blocks):
              "median [min-max].\n\n" +
              markdown_table(["adapters", "batch", "base openxla ms", "**xla_lora**"] + extra, decode)]
     if prefill:
-        parts.append(f"### Prefill step (`[B, {blocks[0]['results'][0]['prompt']}]` into the static cache)\n\n" +
-                     markdown_table(["adapters", "batch", "base openxla ms", "**xla_lora** / base"], prefill))
+        head = ["adapters", "batch", "base openxla ms", "**xla_lora** / base"]
+        if len(prefill[0]) > len(head):
+            head += ["prompt step: base openxla ms", "**xla_lora** / base"]
+        parts.append(f"### Prefill step (`[B, {blocks[0]['results'][0]['prompt']}]` into the static cache; the prompt "
+                     "step is the same forward with `logits_to_keep=1`, as `generate` runs it)\n\n" +
+                     markdown_table(head, prefill))
     if generate:
         parts.append("### Full `generate` (greedy, static cache of the same length on both sides)\n\n" +
                      markdown_table(["adapters", "batch", "new tokens", "base tokens/s", "xla_lora tokens/s",

@@ -15,6 +15,7 @@ import torch.fx as fx
 from .annotations import (BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, SAVED_PARAM, STACKED_A, STACKED_B, STACKED_BIAS,
                           STACKED_DORA, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef, SavedParamRef)
 from .flat_tokens import flat_token_nodes
+from .fold_linear_inputs import fold_linear_inputs
 from .fuse_shared_shrink import fuse_shared_shrinks
 from .fx_utils import (canonicalize_lora_embeddings, canonicalize_weight_transposes, drop_none_bias,
                        functionalize_fresh_index_puts, functionalize_fresh_updates, remove_eval_dropout)
@@ -65,13 +66,15 @@ PATTERN_PASS = "patterns"
 # ``patterns`` runs ``PATTERNS``; ``lora_attach`` serves the registered sites
 # whose LoRA branch is not in the graph, after the patterns replaced the
 # branches that are; ``saved_modules`` serves PEFT's modules_to_save; the
-# fusion runs after every site is rewritten.
+# fusion runs after every site is rewritten; ``fold_linear_inputs`` last, so
+# that the patterns see every linear as Dynamo traced it.
 PASSES: List[Tuple[str, Callable[..., bool]]] = [
     ("normalize", _normalize),
     (PATTERN_PASS, rewrite_patterns),  # called with the enabled PATTERNS too
     ("lora_attach", attach_lora_sites),
     ("saved_modules", serve_saved_modules),
     ("fuse_shared_shrink", fuse_shared_shrinks),
+    ("fold_linear_inputs", fold_linear_inputs),
 ]
 
 

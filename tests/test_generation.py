@@ -71,6 +71,8 @@ def test_peft_generate_on_the_compiled_model_runs_the_rewritten_programs(llama, 
     assert ran and all(g.report.sites for g in ran), [g.report.format() for g in ran]
     assert meta.stats["rewrites"]["lora_linear"] >= 4  # q_proj and v_proj of both layers
     assert meta.stats["compiles"] <= 8, dict(meta.stats["bucket_hits"])
+    # The prompt step's lm_head on each row's last position got a contiguous input (fold_linear_inputs).
+    assert any(n.op == "call_method" and n.target == "clone" for g in ran for n in g.gm.graph.nodes)
 
 
 def test_generate_refuses_adapter_names_of_another_batch(llama):

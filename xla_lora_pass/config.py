@@ -17,6 +17,10 @@ passes = {
     # Off: PEFT modules_to_save run the traced variant only, and the graph accepts only a uniform mapping.
     "saved_modules": True,
     "fuse_shared_shrink": True,
+    # Off: a linear on a strided view of its tokens (lm_head on the last position of each row, as
+    # generate's prompt step computes it) multiplies by a copy of its weight per row on XLA
+    # (graph_rewrites/fold_linear_inputs.py).
+    "fold_linear_inputs": True,
 }
 
 # When a pass raises on an unexpected graph: True compiles the graph unrewritten
