@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--masked", action="store_true", help="also time the masked kernel")
     parser.add_argument("--rows", action="store_true", help="also time the row kernel on rows of one token")
     parser.add_argument("--no-fold", action="store_true",
-                        help="also time prefill and prompt with the fold_linear_inputs pass off")
+                        help="also time every step with the fold_linear_inputs pass off")
     parser.add_argument("--generate", type=int, default=32, help="new tokens of the timed generate (0: none)")
     parser.add_argument("--generate-reps", type=int, default=3)
     args = parser.parse_args(argv)
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
         row = dict(adapters=n, batch=batch, prompt=args.prompt, decode=decode, prefill=prefill,
                    decode_ratio=ratios(decode, "base, openxla"),
                    prefill_ratio=ratios(prefill, "base, openxla") if prefill else None,
-                   prompt=prompt_step, prompt_ratio=ratios(prompt_step, "base, openxla") if prompt_step else None,
+                   prompt_step=prompt_step, prompt_ratio=ratios(prompt_step, "base, openxla") if prompt_step else None,
                    generate=generate, warm=warm, max_rel_err=errors, xla_compiles_while_timed=compiles_timed,
                    xla_flags=os.environ.get("XLA_FLAGS", ""))
         results.append(row)

@@ -89,7 +89,7 @@ def decode_tables(blocks):
                 pms = statistics.median(r["prefill"]["base, openxla"]) * 1e3
                 row = [n, b, f"{pms:.0f}", summary(r["prefill_ratio"]["xla_lora"])]
                 if r.get("prompt_ratio"):  # generate's prompt step: the last position's logits only
-                    qms = statistics.median(r["prompt"]["base, openxla"]) * 1e3
+                    qms = statistics.median(r["prompt_step"]["base, openxla"]) * 1e3
                     row += [f"{qms:.0f}", summary(r["prompt_ratio"]["xla_lora"])]
                 prefill.append(row)
             g = r.get("generate")
