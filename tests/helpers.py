@@ -129,16 +129,20 @@ def lora_weight_uses(gm: fx.GraphModule) -> int:
     return sum(len(n.users) for n in gm.graph.find_nodes(op="placeholder") if LORA_WEIGHT in n.meta)
 
 
-def run_rewritten(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims):
-    """Run a rewritten graph eagerly, feeding the metadata's extra inputs as the backend would."""
+def rewritten_inputs(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims) -> list:
+    """A rewritten graph's arguments: ``example_inputs`` then the metadata's extra inputs, as the backend feeds them."""
     from graph_rewrites import LORA_INPUT
     from xla_lora_pass.kernels import lora_graph_inputs
 
     device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor))
     requests = [n.meta[LORA_INPUT] for n in gm.graph.find_nodes(op="placeholder") if LORA_INPUT in n.meta]
-    extras = lora_graph_inputs(meta, requests, device, tuple(token_dims), tuple(token_dims))
+    return [*example_inputs, *lora_graph_inputs(meta, requests, device, tuple(token_dims), tuple(token_dims))]
+
+
+def run_rewritten(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims):
+    """Run a rewritten graph eagerly, feeding the metadata's extra inputs as the backend would."""
     with torch.no_grad():
-        return gm(*example_inputs, *extras)
+        return gm(*rewritten_inputs(gm, example_inputs, meta, token_dims))
 
 
 def check_rewrite(fn: Callable, args: Sequence, meta: xlp.LoRAMetadata, *, rewrites: Dict[str, int],

@@ -11,10 +11,8 @@ from peft import LoraConfig, get_peft_model
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import xla_lora_pass as xlp
-from graph_rewrites import LORA_INPUT
-from xla_lora_pass.kernels import lora_graph_inputs
-
-from .helpers import assert_golden, backend_rewrite, capture_graphs, count_ops, normalize_gm, run_rewritten
+from .helpers import (assert_golden, backend_rewrite, capture_graphs, count_ops, normalize_gm, rewritten_inputs,
+                      run_rewritten)
 
 B, S, H, V = 3, 5, 16, 40
 ROWS = ["sql", None, "chat"]
@@ -75,10 +73,8 @@ def _rewrite(select, enabled=True):
 
 def _head_matmuls(new_gm, example_inputs, meta):
     """(bmm, mm or addmm) counts in the graph as aot_autograd decomposes it (the LoRA kernels are opaque)."""
-    requests = [n.meta[LORA_INPUT] for n in new_gm.graph.find_nodes(op="placeholder") if LORA_INPUT in n.meta]
-    extras = lora_graph_inputs(meta, requests, torch.device("cpu"), (B, S), (B, S))
     with torch.no_grad():
-        traced = make_fx(new_gm)(*example_inputs, *extras)
+        traced = make_fx(new_gm)(*rewritten_inputs(new_gm, example_inputs, meta, (B, S)))
     return (count_ops(traced, torch.ops.aten.bmm.default),
             count_ops(traced, torch.ops.aten.mm.default) + count_ops(traced, torch.ops.aten.addmm.default))
 
