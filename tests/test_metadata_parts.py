@@ -106,6 +106,49 @@ def test_warm_up_sees_the_base_model_and_its_values_go_on_exit(meta):
     assert meta.token_indices("cpu", (2, 2), (2, 2))[:4].tolist() == [0, 1, 0, 1]
 
 
+def test_graph_inputs_look_stacks_up_once_per_generation_and_step_values_every_call(model, meta, monkeypatch):
+    from graph_rewrites.annotations import ROW_SLOTS, STACKED_A_T, STACKED_B_T, GraphInputRequest
+
+    requests = [GraphInputRequest(STACKED_A_T, Q0), GraphInputRequest(ROW_SLOTS),
+                GraphInputRequest(STACKED_B_T, Q0)]
+    inputs = kernels.GraphInputs(requests)
+    lookups = []
+    real = meta.stacked_a
+
+    def counting(*args, **kwargs):
+        lookups.append(args)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(meta, "stacked_a", counting)
+    meta.set_request_adapters(["sql", "chat"])
+    first = inputs(meta, "cpu", (2, 4), (2, 4))
+    meta.set_request_adapters(["chat", None])
+    second = inputs(meta, "cpu", (2, 4), (2, 4))
+    assert len(lookups) == 1 and second[0] is first[0] and second[2] is first[2]
+    assert first[1][:2].tolist() == [0, 1] and second[1][:2].tolist() == [1, -1]  # the row slots: every call
+    assert all(t is w for t, w in zip(second, kernels.lora_graph_inputs(meta, requests, "cpu", (2, 4), (2, 4))))
+    lookups.clear()
+    meta.register_adapters(model)  # stacks made anew: the next call looks them up again
+    meta.set_request_adapters(["sql", "chat"])
+    third = inputs(meta, "cpu", (2, 4), (2, 4))
+    assert len(lookups) == 1 and third[0] is not first[0] and third[0] is meta.stacked_a(Q0, "cpu", transposed=True)
+
+
+def test_the_mapping_check_is_cached_per_mapping_and_still_refuses(meta):
+    from xla_lora_pass.errors import UnsupportedMappingError
+
+    meta.set_request_adapters(["sql", "chat"])
+    meta.check_mapping_fits((2, 4))
+    meta.check_mapping_fits((2, 4))
+    with pytest.raises(UnsupportedMappingError, match="2 rows but this call has a batch of 3"):
+        meta.check_mapping_fits((3, 1))
+    with pytest.raises(UnsupportedMappingError, match="2 rows but this call has a batch of 3"):
+        meta.check_mapping_fits((3, 1))  # a refusal is not cached as a pass
+    meta.set_request_adapters(["sql", "chat", None])
+    meta.check_mapping_fits((3, 1))
+    with pytest.raises(UnsupportedMappingError, match="3 rows but this call has a batch of 2"):
+        meta.check_mapping_fits((2, 4))  # the old mapping's pass went with it
+
+
 def test_stats_count_adds_to_counters_and_refuses_unknown_ones():
     stats = Stats()
     stats.count("compiles")

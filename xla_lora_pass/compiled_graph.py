@@ -22,7 +22,7 @@ from graph_rewrites.site_inputs import find_token_layout
 from . import config
 from .bucketing import GraphShapes, evaluate
 from .errors import UnsupportedMappingError
-from .kernels import AUTO, FALLBACK, FIRST, choose, kernels_run, lora_graph_inputs
+from .kernels import AUTO, FALLBACK, FIRST, GraphInputs, choose, kernels_run
 from .metadata import NO_LORA
 from .rewrite import copy_graph_module
 
@@ -45,6 +45,7 @@ class CompiledLoRAGraph:
         self.inner = inner
         self.extra_requests = [n.meta[LORA_INPUT] for n in gm.graph.find_nodes(op="placeholder")
                                if LORA_INPUT in n.meta]
+        self._inputs = GraphInputs(self.extra_requests)
         layout = report.token_layout if report.sites else None
         self.shapes = GraphShapes.analyze(gm, num_args, layout)
         if self.shapes.not_bucketable:
@@ -74,7 +75,7 @@ class CompiledLoRAGraph:
                 "no adapter mapping: call meta.set_request_adapters([...]) (one entry per batch row) or "
                 "meta.set_token_adapters([...]) (one per token) before running the compiled model")
         if token_dims is not None:
-            self.meta.token_mapping(token_dims)  # refuses a mapping that does not fit this call
+            self.meta.check_mapping_fits(token_dims)  # refuses a mapping that does not fit this call
         if self.leftovers and self.meta.has_mapping:
             self._check_uniform(self.meta.mapped_slots())
 
@@ -220,7 +221,7 @@ class CompiledLoRAGraph:
         return padded
 
     def _extra_inputs(self, device, token_dims, padded_dims) -> List[torch.Tensor]:
-        return lora_graph_inputs(self.meta, self.extra_requests, device, token_dims, padded_dims)
+        return self._inputs(self.meta, device, token_dims, padded_dims)
 
     def _compile(self, key, example_args) -> Callable:
         log.info("compiling program for bucket %s", key)

@@ -30,10 +30,14 @@ class DeviceStacks:
         self._count = count  # Stats.count: adapter bytes sent to the device
         self._copies: Dict[Tuple[Site, str, str], torch.Tensor] = {}
         self.sharding = None  # sharding.AdapterSharding after shard(mesh)
+        # Counts forget(): a copy handed out stays the one in use (written in place by write_slot) until the
+        # generation changes, so a caller may keep it that long instead of asking again every call.
+        self.generation = 0
 
     def forget(self) -> None:
         """Drop every device copy (the host stacks or the placement changed); the next call transfers anew."""
         self._copies.clear()
+        self.generation += 1
 
     def set_sharding(self, sharding) -> None:
         self.sharding = sharding

@@ -170,16 +170,41 @@ def rewrite_kernel(name: str) -> KernelSpec:
     return KERNELS[FIRST if name == AUTO else name].spec
 
 
+# Inputs that are device copies of the adapter stacks: the same tensors until meta.stacks_generation changes.
+STACK_KINDS = frozenset({STACKED_A, STACKED_B, STACKED_A_T, STACKED_B_T, STACKED_BIAS, STACKED_DORA})
+
+
+def _feed(req: GraphInputRequest) -> Feed:
+    feed = FEEDS.get(req.kind)
+    if feed is None:
+        raise AssertionError(f"no feed for graph input request {req}: add it to a kernel's feeds")
+    return feed
+
+
 def lora_graph_inputs(meta: LoRAMetadata, requests: Sequence[GraphInputRequest], device, token_dims,
                       padded_dims) -> List[torch.Tensor]:
     """The tensors for a rewritten graph's added placeholders, in their order."""
-    extras = []
-    for req in requests:
-        feed = FEEDS.get(req.kind)
-        if feed is None:
-            raise AssertionError(f"no feed for graph input request {req}: add it to a kernel's feeds")
-        extras.append(feed(meta, req, device, token_dims, padded_dims))
-    return extras
+    return [_feed(req)(meta, req, device, token_dims, padded_dims) for req in requests]
+
+
+class GraphInputs:
+    """``lora_graph_inputs`` for one graph's requests, called every step: the stacks (most of the inputs,
+    one per site) are looked up once per device and ``meta.stacks_generation``, not once per call; the
+    per-step values (token indices, row slots, saved modules' live tensors) every call."""
+
+    def __init__(self, requests: Sequence[GraphInputRequest]):
+        self.requests = list(requests)
+        self._stacks_key = None
+        self._stacks: Dict[int, torch.Tensor] = {}
+
+    def __call__(self, meta: LoRAMetadata, device, token_dims, padded_dims) -> List[torch.Tensor]:
+        key = (str(device), meta.stacks_generation)
+        if key != self._stacks_key:
+            self._stacks = {i: _feed(req)(meta, req, device, None, None)
+                            for i, req in enumerate(self.requests) if req.kind in STACK_KINDS}
+            self._stacks_key = key
+        return [self._stacks[i] if i in self._stacks else _feed(req)(meta, req, device, token_dims, padded_dims)
+                for i, req in enumerate(self.requests)]
 
 
 def kernel_request(requests: Sequence[GraphInputRequest], name: str) -> Optional[GraphInputRequest]:

@@ -210,6 +210,12 @@ class LoRAMetadata:
         fused = isinstance(site_name, tuple)
         return self._devices.stacked_a(site_name, device), None if fused else self._devices.stacked_b(site_name, device)
 
+    @property
+    @_locked
+    def stacks_generation(self) -> int:
+        """Changes whenever the device stacks are made anew: until then ``stacked_*`` return the same tensors."""
+        return self._devices.generation
+
     stacked_a = _forward("_devices", DeviceStacks.stacked_a)
     stacked_b = _forward("_devices", DeviceStacks.stacked_b)
     stacked_bias = _forward("_devices", DeviceStacks.stacked_bias)
@@ -309,6 +315,7 @@ class LoRAMetadata:
     request_adapters = _forward("_tokens", TokenMapping.request_adapters)
     mapped_slots = _forward("_tokens", TokenMapping.mapped_slots)
     token_mapping = _forward("_tokens", TokenMapping.token_mapping)
+    check_mapping_fits = _forward("_tokens", TokenMapping.check_fits)
 
     # ------------------------------------------- per-step values (token_mapping.py)
     token_indices = _forward("_tokens", TokenMapping.token_indices)

@@ -133,6 +133,16 @@ class TokenMapping:
                 "with set_request_adapters")
         return self._tokens
 
+    def check_fits(self, real_dims: Tuple[int, ...]) -> None:
+        """Raise as :meth:`token_mapping` does unless the mapping fits a call with token dims ``real_dims``;
+        every compiled call checks, so each mapping and token dims is checked once."""
+        real_dims = tuple(int(d) for d in real_dims)
+
+        def check() -> bool:
+            self.token_mapping(real_dims)  # raises when it does not fit; a raise caches nothing
+            return True
+        self.cache.get(("fits", real_dims), check)
+
     def _padded_grid(self, real_dims, padded_dims) -> torch.Tensor:
         """Host int32 indices of the padded bucket, flattened: the mapping, -1 on padding."""
         mapping = self.token_mapping(real_dims)
