@@ -21,6 +21,14 @@ Configurations, each with its own model copy and cache:
 * ``xla_lora, masked kernel`` (``--masked``, decode only): the same with ``config.kernel = "masked"``.
 * ``xla_lora, row kernel from 1 token`` (``--rows``): ``config.row_kernel_min_tokens = 1`` (the default
   now; the setting that compared the two kernels at decode when the default was 2).
+* ``PEFT openxla, one adapter`` (``--peft``): the PEFT model compiled with plain ``openxla``, every row on
+  adapter 0 (``set_adapter``): what compiling PEFT costs without this backend, for one adapter only.
+* ``xla_lora, tensor guards only`` (``--guards``): a diagnostic, not a way to serve: this backend with
+  ``torch.compile(options={"guard_filter_fn": ...})`` keeping only Dynamo's tensor guards, which drops
+  the guards Dynamo installs on PEFT's module tree (each LoRA layer's per-adapter dicts, once per adapter).
+  The difference to ``xla_lora`` is the host time those guards cost per call.  Decode steps only: unsafe
+  in general, and shown to be here (without its guard on ``logits_to_keep`` the prompt step reuses the
+  prefill's program and returns every position's logits).
 * ``xla_lora, no fold_linear_inputs`` (``--no-fold``): the pass that gives a linear whose input
   ``matmul`` cannot fold (the prompt step's last-position ``lm_head``; ``o_proj`` on decode's ``[B, 1, H]``
   attention output) a contiguous input switched off (``config.passes``), as before it existed.
@@ -45,6 +53,11 @@ import torch
 from _common import xla_compile_stats
 from _timing import emit, ratios, time_interleaved
 from step_time import VOCAB, build_models
+
+
+PEFT_ONE = "PEFT openxla, one adapter"
+PLAIN_OPENXLA = ("base, openxla", PEFT_ONE)
+GUARDS = "xla_lora, tensor guards only"
 
 
 def _static_cache(model, max_len: int, batch: int = 1):
@@ -157,6 +170,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-prefill", action="store_true", help="time decode steps only")
     parser.add_argument("--masked", action="store_true", help="also time the masked kernel")
     parser.add_argument("--rows", action="store_true", help="also time the row kernel on rows of one token")
+    parser.add_argument("--peft", action="store_true", help="also time PEFT compiled with openxla, one adapter")
+    parser.add_argument("--guards", action="store_true",
+                        help="also time this backend with Dynamo's tensor guards only (a diagnostic)")
     parser.add_argument("--no-fold", action="store_true",
                         help="also time every step with the fold_linear_inputs pass off")
     parser.add_argument("--generate", type=int, default=32, help="new tokens of the timed generate (0: none)")
@@ -176,16 +192,23 @@ def main(argv=None) -> int:
     decode_calls = args.warmup + 2 + args.reps * args.steps
     max_len = args.prompt + decode_calls
 
-    def lora_config(**settings):
+    def lora_config(compile_options=None, **settings):
         model = copy.deepcopy(peft_cpu).to(dev)
         meta = xlp.LoRAMetadata(max_num_tokens=max(batches) * args.prompt)
         meta.register_adapters(model)
         backend = xlp.make_backend(meta)
-        return dict(model=torch.compile(model, backend=backend), meta=meta, settings=settings, raw=model,
-                    backend=backend)
+        return dict(model=torch.compile(model, backend=backend, options=compile_options), meta=meta,
+                    settings=settings, raw=model, backend=backend)
 
     configs = {"base, openxla": dict(model=torch.compile(copy.deepcopy(base_cpu).to(dev), backend="openxla"))}
     configs["xla_lora"] = lora_config()
+    if args.peft:
+        peft_one = copy.deepcopy(peft_cpu).to(dev)
+        peft_one.set_adapter(names[0])
+        configs[PEFT_ONE] = dict(model=torch.compile(peft_one, backend="openxla"))
+    if args.guards:
+        configs[GUARDS] = lora_config(
+            compile_options={"guard_filter_fn": lambda entries: [e.guard_type == "TENSOR_MATCH" for e in entries]})
     if args.masked:
         configs["xla_lora, masked kernel"] = lora_config(kernel="masked")
     if args.rows:
@@ -213,7 +236,7 @@ def main(argv=None) -> int:
             for k, v in settings.items():
                 setattr(xlp.config, k, v)
             try:
-                if name == "base, openxla":  # torch_xla's own setting for plain openxla
+                if name in PLAIN_OPENXLA:  # torch_xla's own setting for plain openxla
                     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                         return getattr(streams[name], phase)()
                 return getattr(streams[name], phase)()
@@ -223,6 +246,7 @@ def main(argv=None) -> int:
 
         warm, errors = {}, {}
         want = _eager_decode_reference(peft_cpu, prompt, step_ids, rows, max_len)
+        want_one = _eager_decode_reference(peft_cpu, prompt, step_ids, [names[0]] * batch, max_len) if args.peft else None
         for name in configs:
             c0, s0 = xla_compile_stats()
             start = time.perf_counter()
@@ -233,7 +257,8 @@ def main(argv=None) -> int:
             warm[name] = dict(first_s=time.perf_counter() - start, xla_compiles=xla_compile_stats()[0] - c0,
                               xla_compile_s=xla_compile_stats()[1] - s0)
             if name != "base, openxla":
-                errors[name] = float((got - want).abs().max() / want.abs().max())
+                ref = want_one if name == PEFT_ONE else want
+                errors[name] = float((got - ref).abs().max() / ref.abs().max())
                 assert errors[name] < 1e-3, f"{name}: decode logits differ from eager PEFT by {errors[name]}"
             for _ in range(args.warmup):
                 run(name, "decode")
@@ -243,7 +268,7 @@ def main(argv=None) -> int:
         prefill = prompt_step = None
         if not args.no_prefill:
             # Prefill: the default kernel only (the masked kernel at [B, S] is bench/step_time.py's subject).
-            prefilled = [name for name in ("base, openxla", "xla_lora", no_fold) if name in configs]
+            prefilled = [name for name in ("base, openxla", "xla_lora", PEFT_ONE, no_fold) if name in configs]
             c1 = xla_compile_stats()[0]
             for name in prefilled:  # the prompt step is a graph of its own: compile it, and check it
                 last = run(name, "prefill")[:, -1:]
