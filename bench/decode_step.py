@@ -246,7 +246,8 @@ def main(argv=None) -> int:
 
         warm, errors = {}, {}
         want = _eager_decode_reference(peft_cpu, prompt, step_ids, rows, max_len)
-        want_one = _eager_decode_reference(peft_cpu, prompt, step_ids, [names[0]] * batch, max_len) if args.peft else None
+        want_one = (_eager_decode_reference(peft_cpu, prompt, step_ids, [names[0]] * batch, max_len)
+                    if args.peft else None)
         for name in configs:
             c0, s0 = xla_compile_stats()
             start = time.perf_counter()
