@@ -27,7 +27,6 @@ serve it.
 """
 from __future__ import annotations
 
-import functools
 from typing import Iterable, List, Optional, Set
 
 import torch
@@ -64,31 +63,39 @@ def install(meta, sites, saved, old_handles: Iterable) -> List:
     """A forward hook on every LoRA layer and saved module; returns the handles (the old ones removed).
 
     A forward hook, not a pre-hook: it must see the ``adapter_names`` kwarg
-    PEFT's own pre-hook adds for its mixed-batch path.
+    PEFT's own pre-hook adds for its mixed-batch path.  One hook function per
+    kind, finding the module's name by the module, not a ``functools.partial``
+    per module: Dynamo guards a partial's bound arguments at every call of the
+    compiled model (about 6 guards per layer, 0.08 ms of 0.8 ms of guard
+    checks on a 28-layer PEFT model), and a plain function only by its code.
     """
     for handle in old_handles:
         handle.remove()
-    handles = [s.module.register_forward_hook(functools.partial(_check_lora_layer, meta, s.name), with_kwargs=True)
-               for s in sites if s.module is not None]
-    handles += [m.wrapper.register_forward_hook(functools.partial(_check_saved_module, meta, m.name), with_kwargs=True)
-                for m in saved]
-    return handles
+    layers = {s.module: s.name for s in sites if s.module is not None}
+    wrappers = {m.wrapper: m.name for m in saved}
+    check_layer, check_saved = _lora_layer_hook(meta, layers), _saved_module_hook(meta, wrappers)
+    handles = [module.register_forward_hook(check_layer, with_kwargs=True) for module in layers]
+    return handles + [wrapper.register_forward_hook(check_saved, with_kwargs=True) for wrapper in wrappers]
 
 
-def _check_lora_layer(meta, site_name: str, module, args, kwargs, output):
-    if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
-        return None  # traced, or PEFT's own mixed-batch path, which is exact
-    if inside_compiled_call():  # else plain eager PEFT, with its own semantics
-        _refuse_lora_layer(meta, site_name, module)
-    return None
-
-
-def _check_saved_module(meta, name: str, module, args, kwargs, output):
-    if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
+def _lora_layer_hook(meta, names):
+    def check_lora_layer(module, args, kwargs, output):
+        if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
+            return None  # traced, or PEFT's own mixed-batch path, which is exact
+        if inside_compiled_call():  # else plain eager PEFT, with its own semantics
+            _refuse_lora_layer(meta, names[module], module)
         return None
-    if inside_compiled_call():
-        _refuse_saved_module(meta, name, module)
-    return None
+    return check_lora_layer
+
+
+def _saved_module_hook(meta, names):
+    def check_saved_module(module, args, kwargs, output):
+        if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
+            return None
+        if inside_compiled_call():
+            _refuse_saved_module(meta, names[module], module)
+        return None
+    return check_saved_module
 
 
 @torch._dynamo.disable  # a check on the host: nothing in it is for Dynamo to compile
@@ -125,9 +132,11 @@ def _refuse_unless_uniform(meta, what: str, active: List[str], computes: List[st
 
 
 # Dynamo must not compile the hooks as frames of their own (see the module docstring); it still inlines them.
-for _hook in (_check_lora_layer, _check_saved_module, inside_compiled_call):
+# Every hook a factory makes shares its code object.
+for _code in (_lora_layer_hook(None, {}).__code__, _saved_module_hook(None, {}).__code__,
+              inside_compiled_call.__code__):
     try:
         from torch._dynamo.eval_frame import skip_code
     except ImportError:  # a torch without it: the hooks may then be compiled as no-ops after a graph break
         break
-    skip_code(_hook.__code__)
+    skip_code(_code)
