@@ -16,6 +16,7 @@ ROWS = ["sql", "chat", None, "code"]
 ROTATIONS = [ROWS, ROWS[1:] + ROWS[:1], ROWS[2:] + ROWS[:2]]
 NEW_TOKENS = 16
 CACHES = {"dynamic": {}, "static": {"cache_implementation": "static"}}
+BEAMS = dict(num_beams=2, num_return_sequences=2, max_new_tokens=6)
 
 
 def _names(rows):
@@ -31,9 +32,10 @@ def _prompts():
     return ids, mask
 
 
-def _generate(model, ids, mask, rows, cache, device=None):
+def _generate(model, ids, mask, rows, cache, device=None, **extra):
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
               adapter_names=_names(rows), **CACHES[cache])
+    kw.update(extra)
     if device is not None:
         kw.update(input_ids=ids.to(device), attention_mask=mask.to(device))
     with torch.no_grad():
@@ -47,12 +49,13 @@ def llama(xla_device):
     ids, mask = _prompts()
     refs = {(cache, i): _generate(model, ids, mask, rows, cache) for cache in CACHES
             for i, rows in enumerate(ROTATIONS)}
+    beam_refs = [_generate(model, ids, mask, rows, "dynamic", **BEAMS) for rows in ROTATIONS]
     model.to(xla_device)
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)
     backend = xlp.make_backend(meta)
     return dict(model=model, meta=meta, backend=backend, compiled=torch.compile(model, backend=backend), ids=ids,
-                mask=mask, refs=refs, device=xla_device)
+                mask=mask, refs=refs, beam_refs=beam_refs, device=xla_device)
 
 
 @pytest.mark.compat
@@ -73,6 +76,22 @@ def test_peft_generate_on_the_compiled_model_runs_the_rewritten_programs(llama, 
     assert meta.stats["compiles"] <= 8, dict(meta.stats["bucket_hits"])
     # The prompt step's lm_head on each row's last position got a contiguous input (fold_linear_inputs).
     assert any(n.op == "call_method" and n.target == "clone" for g in ran for n in g.gm.graph.nodes)
+
+
+@pytest.mark.compat
+def test_beam_search_keeps_the_serving_cache_and_its_programs(llama):
+    """Beam search reorders the cache every step; transformers replaces the static tensors to do it,
+    which failed Dynamo's identity guard (a retrace of the prompt step on the next generate) and gave
+    each generate new XLA programs (27 on a third generate of a tiny Mistral)."""
+    meta = llama["meta"]
+    for i, rows in enumerate(ROTATIONS):
+        compiles_before, xla_before = meta.stats["compiles"], xla_compiles()
+        out = _generate(llama["compiled"], llama["ids"], llama["mask"], rows, "dynamic", llama["device"], **BEAMS)
+        assert torch.equal(out, llama["beam_refs"][i]), f"rotation {i}:\n{out}\n{llama['beam_refs'][i]}"
+        if i > 0:
+            assert meta.stats["compiles"] == compiles_before, f"generate {i + 1} compiled the backend again"
+        if i == 2:
+            assert xla_compiles() == xla_before, "the third beam-search generate compiled XLA programs"
 
 
 def test_generate_refuses_adapter_names_of_another_batch(llama):

@@ -255,10 +255,46 @@ def serving_cache(transformer: torch.nn.Module, max_cache_len: int, batch_size: 
 
             cross = static_cache(transformer.config, cross_attention_length, batch_size, weight.dtype, weight.device)
             cache = EncoderDecoderCache(cache, cross)
+        _reorder_in_place(cache)
         caches[key] = cache
     else:
         cache.reset()
     return cache
+
+
+def _cache_layers(cache):
+    inner = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+    for part in [c for c in inner if c is not None] or [cache]:
+        yield from getattr(part, "layers", ())
+
+
+def _reorder_in_place(cache) -> None:
+    """Make beam search's ``reorder_cache`` on this serving cache write into the cache's own tensors.
+
+    transformers reorders a static layer by replacing its tensors
+    (``self.keys = self.keys.index_select(0, beam_idx)``): new objects,
+    without the static-address mark, so the next compiled call fails
+    Dynamo's identity guard on them and recompiles, and the reset cache of
+    the next ``generate`` recompiles its prompt step again.  After
+    transformers' own reorder, each tensor it replaced is copied back into
+    the original (same shape and dtype) and put back, whatever the layer
+    kind reorders.
+    """
+    original = cache.reorder_cache
+
+    def reorder_cache(beam_idx):
+        before = [(layer, {name: value for name, value in vars(layer).items() if isinstance(value, torch.Tensor)})
+                  for layer in _cache_layers(cache)]
+        original(beam_idx)
+        for layer, tensors in before:
+            for name, old in tensors.items():
+                new = getattr(layer, name, None)
+                if new is not old and isinstance(new, torch.Tensor) and new.shape == old.shape \
+                        and new.dtype == old.dtype:
+                    old.copy_(new)
+                    setattr(layer, name, old)
+
+    cache.reorder_cache = reorder_cache
 
 
 def static_cache(config, max_cache_len: int, batch_size: int, dtype: Optional[torch.dtype] = None,
