@@ -123,7 +123,7 @@ def _time_generate(args, configs, base_cpu, prompt, rows, dev):
     """
     cfg = configs["xla_lora"]
     batch, new = prompt.shape[0], args.generate
-    cache_len = cfg["backend"].buckets.pad(prompt.shape[1] + new)
+    cache_len = cfg["backend"].buckets.pad_length(prompt.shape[1] + new)
     base = copy.deepcopy(base_cpu).to(dev)
     base.forward = torch.compile(base.forward, backend="openxla")
     for model in (base, cfg["raw"]):

@@ -36,6 +36,13 @@ def test_size_above_the_largest_bucket_names_size_and_limit():
         xlp.Buckets.pow2(min=16, max=8)
 
 
+def test_a_cache_length_past_the_largest_bucket_takes_the_next_power_of_two():
+    b = xlp.Buckets([8, 16, 24])
+    assert [b.pad_length(n) for n in (1, 9, 24, 25, 40, 64, 65)] == [8, 16, 24, 32, 64, 64, 128]
+    with pytest.raises(ValueError, match="a cache length must be >= 1, got 0"):
+        b.pad_length(0)
+
+
 # ------------------------------------------------------------- the stream
 @pytest.fixture(scope="module")
 def llama(xla_device):

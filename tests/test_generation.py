@@ -94,6 +94,20 @@ def test_beam_search_keeps_the_serving_cache_and_its_programs(llama):
             assert xla_compiles() == xla_before, "the third beam-search generate compiled XLA programs"
 
 
+def test_generate_past_max_num_tokens_gets_a_longer_cache(xla_device):
+    """max_num_tokens bounds the tokens of one call (here 2 rows of 6), not a row's prompt + new tokens (22)."""
+    torch._dynamo.reset()
+    model, _ = tiny_peft_llama()
+    ids, mask = (t[:2] for t in _prompts())
+    rows = ROWS[:2]
+    ref = _generate(model, ids, mask, rows, "dynamic")
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=16)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    assert torch.equal(_generate(compiled, ids, mask, rows, "dynamic", xla_device), ref)
+
+
 def test_generate_refuses_adapter_names_of_another_batch(llama):
     with pytest.raises(xlp.UnsupportedMappingError, match="3 rows but this call has a batch of 4"):
         _generate(llama["compiled"], llama["ids"], llama["mask"], ROWS[:3], "static", llama["device"])

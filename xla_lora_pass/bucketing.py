@@ -70,6 +70,18 @@ class Buckets:
                 return s
         raise AssertionError("unreachable")
 
+    def pad_length(self, n: int) -> int:
+        """The bucket for a KV cache's length ``n``: ``pad(n)`` up to the largest bucket, the next power of two above it.
+
+        A generate's cache holds prompt + new tokens of one row, which no
+        bound on the tokens of one call limits; past the largest bucket,
+        powers of two keep a long generation to O(log n) cache lengths, so
+        O(log n) decode programs.
+        """
+        if n < 1:
+            raise ValueError(f"a cache length must be >= 1, got {n}")
+        return self.pad(n) if n <= self.max else 1 << (n - 1).bit_length()
+
     def waste(self, n: int) -> float:
         """Fraction of a padded batch of size n that is padding."""
         return 1.0 - n / self.pad(n)

@@ -16,7 +16,8 @@ replaces ``generate`` on the registered model's instance with
   call, so the prompt (or encoder) step and every decode step run the
   rewritten programs;
 - gives decoder-only models a ``StaticCache`` whose length is the backend's
-  token bucket of prompt + new tokens, in place of the default dynamic cache
+  token bucket of prompt + new tokens (``Buckets.pad_length``: past the
+  largest bucket, the next power of two), in place of the default dynamic cache
   and of ``cache_implementation="static"`` (whose length is the exact total):
   a dynamic cache grows by one position per token, and padding it cannot be
   exact (HF's causal mask compares key positions with ``cache_position``
@@ -170,7 +171,7 @@ def _use_bucketed_static_cache(transformer: torch.nn.Module, backend, args, kwar
             return
         kwargs.pop("cache_implementation", None)
         decoder_total, encoder_length = lengths
-        kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad(decoder_total),
+        kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad_length(decoder_total),
                                                   _batch_size(args, kwargs), cross_attention_length=encoder_length)
         return
     prompt_length = _prompt_length(args, kwargs)
@@ -178,7 +179,7 @@ def _use_bucketed_static_cache(transformer: torch.nn.Module, backend, args, kwar
     if total is None:
         return
     kwargs.pop("cache_implementation", None)
-    kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad(total), _batch_size(args, kwargs))
+    kwargs["past_key_values"] = serving_cache(transformer, backend.buckets.pad_length(total), _batch_size(args, kwargs))
 
 
 def _total_length(transformer, kwargs, start_length: int) -> Optional[int]:
@@ -330,7 +331,7 @@ def warm_generate(backend, model: torch.nn.Module, batch: int, prompt_length: in
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
     transformer = getattr(transformer, "_orig_mod", transformer)  # a torch.compile wrapper
     ids = torch.ones(batch, prompt_length, dtype=torch.long).to(next(transformer.parameters()).device)
-    cache = serving_cache(transformer, backend.buckets.pad(prompt_length + max_new_tokens), batch)
+    cache = serving_cache(transformer, backend.buckets.pad_length(prompt_length + max_new_tokens), batch)
     masks = [torch.ones_like(ids)]
     if prompt_length > 1:  # a left-padded prompt: transformers 5 traces another mask path for it
         masks.append(torch.ones_like(ids).index_fill_(1, torch.tensor([0], device=ids.device), 0))
