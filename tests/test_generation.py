@@ -254,3 +254,25 @@ def test_precompile_generate_warms_the_prompt_and_decode_programs(xla_device):
     out = _generate(compiled, ids, mask, ROWS, "dynamic", xla_device)
     assert torch.equal(out, reference)
     assert meta.stats["compiles"] == warmed, "generate compiled a program precompile_generate did not warm"
+
+
+@pytest.mark.compat
+def test_precompile_generate_warms_an_encoder_decoders_programs(xla_device):
+    """T5: the encoder's program, the first decoder step's and the later steps', on the caches generate makes."""
+    torch._dynamo.reset()
+    model = _peft_t5(initializer_factor=10.0)
+    ids = torch.randint(1, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    reference = _generate(model, ids, mask, ROWS, "dynamic")
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    backend = xlp.make_backend(meta)
+    compiled = torch.compile(model, backend=backend)
+    warmed = backend.precompile_generate(compiled, batch_sizes=[4], prompt_lengths=[8], max_new_tokens=NEW_TOKENS,
+                                         progress=False)
+    assert warmed == meta.stats["compiles"] >= 3
+    out = _generate(compiled, ids, mask, ROWS, "dynamic", xla_device)
+    assert torch.equal(out, reference)
+    assert meta.stats["compiles"] == warmed, "generate compiled a program precompile_generate did not warm"

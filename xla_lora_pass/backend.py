@@ -118,7 +118,8 @@ class LoRABackend:
 
         One short generate per (batch size, prompt length), on a static cache
         of the length a real generate of ``max_new_tokens`` gets (the token
-        bucket of prompt + new tokens), every token on the base model.
+        bucket of prompt + new tokens; an encoder-decoder's caches: the
+        decoder's, and the encoder's of the prompt length), every token on the base model.
         ``model`` is the registered model (or its ``torch.compile`` wrapper).
         docs/user-guide.md, "Generation".
         """

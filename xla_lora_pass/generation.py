@@ -325,13 +325,19 @@ def static_cache(config, max_cache_len: int, batch_size: int, dtype: Optional[to
 def warm_generate(backend, model: torch.nn.Module, batch: int, prompt_length: int, max_new_tokens: int) -> None:
     """Two-token generates of ``batch`` prompts of ``prompt_length`` ids, unpadded and left-padded.
 
-    The cache has the length a generate of ``max_new_tokens`` gets, so the
-    decode program is the one serving will run.
+    The cache has the length a generate of ``max_new_tokens`` gets (an
+    encoder-decoder's: the decoder's and the encoder's), so the decode
+    program is the one serving will run.
     """
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
     transformer = getattr(transformer, "_orig_mod", transformer)  # a torch.compile wrapper
     ids = torch.ones(batch, prompt_length, dtype=torch.long).to(next(transformer.parameters()).device)
-    cache = serving_cache(transformer, backend.buckets.pad_length(prompt_length + max_new_tokens), batch)
+    if getattr(transformer.config, "is_encoder_decoder", False):
+        # The caches _encoder_decoder_lengths gives a generate with no decoder_input_ids: one start token.
+        cache = serving_cache(transformer, backend.buckets.pad_length(1 + max_new_tokens), batch,
+                              cross_attention_length=prompt_length)
+    else:
+        cache = serving_cache(transformer, backend.buckets.pad_length(prompt_length + max_new_tokens), batch)
     masks = [torch.ones_like(ids)]
     if prompt_length > 1:  # a left-padded prompt: transformers 5 traces another mask path for it
         masks.append(torch.ones_like(ids).index_fill_(1, torch.tensor([0], device=ids.device), 0))
