@@ -214,9 +214,7 @@ def test_t5_generate_on_the_compiled_model_is_exact_with_bounded_programs(xla_de
     """T5's generate: an encoder-decoder static cache, so a third generate with the rows rotated compiles nothing."""
     torch._dynamo.reset()
     model = _peft_t5(initializer_factor=10.0)  # larger weights: greedy tokens that change from step to step
-    ids = torch.randint(1, 64, (4, 8), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # one left-padded prompt: the encoder's mask reaches the cross-attention
+    ids, mask = _t5_prompts()
     refs = [_generate(model, ids, mask, rows, cache) for rows in ROTATIONS]
     assert len({tuple(r.flatten().tolist()) for r in refs}) == 3, "the rotations must give different tokens"
     model.to(xla_device)
@@ -238,41 +236,35 @@ def test_t5_generate_on_the_compiled_model_is_exact_with_bounded_programs(xla_de
     assert meta.stats["rewrites"] == {"lora_linear": 18}
 
 
-def test_precompile_generate_warms_the_prompt_and_decode_programs(xla_device):
-    torch._dynamo.reset()
-    model, _ = tiny_peft_llama(seed=2)
-    ids, mask = _prompts()
-    reference = _generate(model, ids, mask, ROWS, "dynamic")
-    model.to(xla_device)
-    meta = xlp.LoRAMetadata(max_num_tokens=256)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta)
-    compiled = torch.compile(model, backend=backend)
-    warmed = backend.precompile_generate(compiled, batch_sizes=[4], prompt_lengths=[6], max_new_tokens=NEW_TOKENS,
-                                         progress=False)
-    assert warmed == meta.stats["compiles"] >= 2  # the prompt's program and the decode step's
-    out = _generate(compiled, ids, mask, ROWS, "dynamic", xla_device)
-    assert torch.equal(out, reference)
-    assert meta.stats["compiles"] == warmed, "generate compiled a program precompile_generate did not warm"
-
-
-@pytest.mark.compat
-def test_precompile_generate_warms_an_encoder_decoders_programs(xla_device):
-    """T5: the encoder's program, the first decoder step's and the later steps', on the caches generate makes."""
-    torch._dynamo.reset()
-    model = _peft_t5(initializer_factor=10.0)
+def _t5_prompts():
+    """Four prompts of 8 ids, the second left-padded by 3: the encoder's mask reaches the cross-attention."""
     ids = torch.randint(1, 64, (4, 8), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
+    return ids, mask
+
+
+# (model, prompts, programs at least: llama's prompt step and decode step; T5's encoder, first and later
+# decoder steps)
+PRECOMPILED = {"llama": (lambda: tiny_peft_llama(seed=2)[0], _prompts, 2),
+               "t5": (lambda: _peft_t5(initializer_factor=10.0), _t5_prompts, 3)}
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("t5", marks=pytest.mark.compat)])
+def test_precompile_generate_warms_the_programs_generate_runs(xla_device, family):
+    torch._dynamo.reset()
+    make_model, prompts, programs = PRECOMPILED[family]
+    model = make_model()
+    ids, mask = prompts()
     reference = _generate(model, ids, mask, ROWS, "dynamic")
     model.to(xla_device)
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)
     backend = xlp.make_backend(meta)
     compiled = torch.compile(model, backend=backend)
-    warmed = backend.precompile_generate(compiled, batch_sizes=[4], prompt_lengths=[8], max_new_tokens=NEW_TOKENS,
-                                         progress=False)
-    assert warmed == meta.stats["compiles"] >= 3
+    warmed = backend.precompile_generate(compiled, batch_sizes=[4], prompt_lengths=[ids.shape[1]],
+                                         max_new_tokens=NEW_TOKENS, progress=False)
+    assert warmed == meta.stats["compiles"] >= programs
     out = _generate(compiled, ids, mask, ROWS, "dynamic", xla_device)
     assert torch.equal(out, reference)
     assert meta.stats["compiles"] == warmed, "generate compiled a program precompile_generate did not warm"
