@@ -71,7 +71,7 @@ class Buckets:
         raise AssertionError("unreachable")
 
     def pad_length(self, n: int) -> int:
-        """The bucket for a KV cache's length ``n``: ``pad(n)`` up to the largest bucket, the next power of two above it.
+        """A KV cache's length for ``n`` positions: ``pad(n)`` up to the largest bucket, then powers of two.
 
         A generate's cache holds prompt + new tokens of one row, which no
         bound on the tokens of one call limits; past the largest bucket,
