@@ -73,29 +73,21 @@ def install(meta, sites, saved, old_handles: Iterable) -> List:
         handle.remove()
     layers = {s.module: s.name for s in sites if s.module is not None}
     wrappers = {m.wrapper: m.name for m in saved}
-    check_layer, check_saved = _lora_layer_hook(meta, layers), _saved_module_hook(meta, wrappers)
+    check_layer, check_saved = _hook(_refuse_lora_layer, meta, layers), _hook(_refuse_saved_module, meta, wrappers)
     handles = [module.register_forward_hook(check_layer, with_kwargs=True) for module in layers]
     return handles + [wrapper.register_forward_hook(check_saved, with_kwargs=True) for wrapper in wrappers]
 
 
-def _lora_layer_hook(meta, names):
-    def check_lora_layer(module, args, kwargs, output):
+def _hook(refuse, meta, names):
+    """The forward hook of the modules in ``names`` (module -> name): ``refuse(meta, name, module)`` when one
+    runs eagerly inside a compiled call."""
+    def check(module, args, kwargs, output):
         if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
             return None  # traced, or PEFT's own mixed-batch path, which is exact
         if inside_compiled_call():  # else plain eager PEFT, with its own semantics
-            _refuse_lora_layer(meta, names[module], module)
+            refuse(meta, names[module], module)
         return None
-    return check_lora_layer
-
-
-def _saved_module_hook(meta, names):
-    def check_saved_module(module, args, kwargs, output):
-        if torch.compiler.is_compiling() or kwargs.get("adapter_names") is not None:
-            return None
-        if inside_compiled_call():
-            _refuse_saved_module(meta, names[module], module)
-        return None
-    return check_saved_module
+    return check
 
 
 @torch._dynamo.disable  # a check on the host: nothing in it is for Dynamo to compile
@@ -132,9 +124,8 @@ def _refuse_unless_uniform(meta, what: str, active: List[str], computes: List[st
 
 
 # Dynamo must not compile the hooks as frames of their own (see the module docstring); it still inlines them.
-# Every hook a factory makes shares its code object.
-for _code in (_lora_layer_hook(None, {}).__code__, _saved_module_hook(None, {}).__code__,
-              inside_compiled_call.__code__):
+# Every hook _hook makes shares its code object.
+for _code in (_hook(None, None, {}).__code__, inside_compiled_call.__code__):
     try:
         from torch._dynamo.eval_frame import skip_code
     except ImportError:  # a torch without it: the hooks may then be compiled as no-ops after a graph break
