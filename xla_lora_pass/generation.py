@@ -148,7 +148,7 @@ def _compiled_forward(transformer: torch.nn.Module, backend):
 
 
 def _use_bucketed_static_cache(transformer: torch.nn.Module, backend, args, kwargs) -> None:
-    """Put a bucketed ``StaticCache`` into ``kwargs`` for a decoder-only model (see module doc)."""
+    """Put a bucketed ``StaticCache`` into ``kwargs`` (an encoder-decoder's two; see the module doc)."""
     given = kwargs.get("past_key_values")
     if given is not None:
         if not getattr(given, "is_compileable", False):
@@ -332,12 +332,9 @@ def warm_generate(backend, model: torch.nn.Module, batch: int, prompt_length: in
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
     transformer = getattr(transformer, "_orig_mod", transformer)  # a torch.compile wrapper
     ids = torch.ones(batch, prompt_length, dtype=torch.long).to(next(transformer.parameters()).device)
-    if getattr(transformer.config, "is_encoder_decoder", False):
-        # The caches _encoder_decoder_lengths gives a generate with no decoder_input_ids: one start token.
-        cache = serving_cache(transformer, backend.buckets.pad_length(1 + max_new_tokens), batch,
-                              cross_attention_length=prompt_length)
-    else:
-        cache = serving_cache(transformer, backend.buckets.pad_length(prompt_length + max_new_tokens), batch)
+    served = {"input_ids": ids, "max_new_tokens": max_new_tokens}
+    _use_bucketed_static_cache(transformer, backend, (), served)  # the cache(s) a generate of these shapes gets
+    cache = served["past_key_values"]
     masks = [torch.ones_like(ids)]
     if prompt_length > 1:  # a left-padded prompt: transformers 5 traces another mask path for it
         masks.append(torch.ones_like(ids).index_fill_(1, torch.tensor([0], device=ids.device), 0))
