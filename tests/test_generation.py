@@ -108,6 +108,25 @@ def test_generate_past_max_num_tokens_gets_a_longer_cache(xla_device):
     assert torch.equal(_generate(compiled, ids, mask, rows, "dynamic", xla_device), ref)
 
 
+@pytest.mark.compat
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_generate_of_a_batch_between_buckets_after_another_batch(xla_device, family):
+    """4 rows, then 3: Dynamo makes the batch dim dynamic at the second, while the static cache it holds in the
+    graph has the real 3 rows, so the batch must not be padded to its bucket of 4 (it raised "expand: attempting
+    to expand a dimension of length 3 -> 4")."""
+    torch._dynamo.reset()
+    model = tiny_peft_llama()[0] if family == "llama" else _peft_t5(initializer_factor=10.0)
+    ids, mask = _prompts() if family == "llama" else _t5_prompts()
+    batches = [(ids, mask, ROWS), (ids[:3], mask[:3], ROWS[:3])]
+    refs = [_generate(model, i, m, rows, "dynamic") for i, m, rows in batches]
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    for (i, m, rows), ref in zip(batches, refs):
+        assert torch.equal(_generate(compiled, i, m, rows, "dynamic", xla_device), ref), f"{len(rows)} rows"
+
+
 def test_generate_refuses_adapter_names_of_another_batch(llama):
     with pytest.raises(xlp.UnsupportedMappingError, match="3 rows but this call has a batch of 4"):
         _generate(llama["compiled"], llama["ids"], llama["mask"], ROWS[:3], "static", llama["device"])

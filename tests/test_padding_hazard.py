@@ -119,3 +119,34 @@ def test_contraction_over_tokens_is_a_hazard_but_over_features_is_not():
 def test_elementwise_min_is_not_a_reduction(fn, hazard):
     """T5's relative-position buckets take ``torch.min(a, b)`` elementwise: no mixing of tokens."""
     assert (_hazard(fn, _features(torch.randn(2, 5, 4), 2)) is not None) == hazard
+
+
+def _held(batch, length=8):
+    """A static-address buffer, as transformers marks its static KV cache: Dynamo holds it in the graph."""
+    buf = torch.zeros(batch, length, 4)
+    torch._dynamo.mark_static_address(buf)
+    return buf
+
+
+def test_a_held_tensor_written_with_a_token_dim_is_a_hazard():
+    """A static cache written at the step's positions: padding the tokens would not pad the cache."""
+    cache = _held(3)
+
+    def step(x, positions):
+        cache.index_copy_(1, positions, x)
+        return cache.sum(-1)
+
+    why = _hazard(step, _features(torch.randn(3, 5, 4), 0, 2), torch.arange(5))
+    assert why is not None and "writes the tensor" in why and "the graph holds" in why, why
+
+
+def test_a_held_tensor_tied_to_a_padded_dim_is_a_hazard_and_one_that_is_not_is_safe():
+    """Read only: a held tensor of the batch's traced size is the batch dim, unpadded (batch 3 meets 4)."""
+    def read(x, held):
+        return x + held.sum()
+
+    tied = _held(3)
+    why = _hazard(lambda x: read(x, tied), _features(torch.randn(3, 5, 4), 2))
+    assert why is not None and "equals the traced value of the padded" in why, why
+    untied = _held(7, length=9)  # no size of it is 3 or 5, the traced batch and token dims
+    assert _hazard(lambda x: read(x, untied), _features(torch.randn(3, 5, 4), 2)) is None

@@ -22,7 +22,12 @@ left out:
 
 - any other contraction over a token dim (``x.transpose(1, 2) @ x``);
 - indexing a token dim from its end (after padding, the end is padding);
-- an in-place write into a graph input that involves a token dim.
+- an in-place write into a graph input that involves a token dim;
+- a tensor the graph holds rather than takes as an input (``get_attr``: Dynamo
+  lifts a static-address tensor, transformers' static KV cache, into the graph)
+  that is written in place with a token dim, or that has a size equal to a
+  padded dim's traced size: the backend pads inputs only, so a held cache of
+  batch 3 would meet a batch padded to 4.
 
 What it cannot see: a mask input that uses another convention (1 = masked,
 or ids compared with a non-zero pad id) is trusted as HF's; a causal buffer
@@ -64,13 +69,18 @@ _PROBS_PASS = {"dropout", "to", "type", "type_as", "float", "half", "bfloat16", 
 def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
     """Why padding ``symbols`` could change a real result, or None (see the module docstring)."""
     symbols = set(symbols)
+    why = _held_tensor_hazard(gm, symbols)
+    if why:
+        return why
     masks = _MaskProof(symbols)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or not node.args:
             continue
         name = _name(node)
-        if _writes_input(node, name) and any(any(_token_dims(a, symbols) or ()) for a in node.all_input_nodes):
-            return f"{node.format_node()} writes a graph input in place with a token dim"
+        target = _written(node, name)
+        if target is not None and any(any(_token_dims(a, symbols) or ()) for a in node.all_input_nodes):
+            what = "a graph input" if target.op == "placeholder" else f"the tensor {target.target} the graph holds"
+            return f"{node.format_node()} writes {what} in place with a token dim"
         if name in _SDPA:
             why = _sdpa_hazard(node, symbols, masks)
         elif name in _SOFTMAX:
@@ -236,11 +246,32 @@ def _is_arange(node: fx.Node) -> bool:
     return _name(node) == "arange"
 
 
-def _writes_input(node: fx.Node, name: str) -> bool:
-    """An in-place op (``index_copy_``, ``t[i] = v``) whose target is a graph input."""
+def _written(node: fx.Node, name: str) -> Optional[fx.Node]:
+    """The graph input or held tensor an in-place op (``index_copy_``, ``t[i] = v``) writes, if any."""
     in_place = name == "setitem" or (name.endswith("_") and not name.startswith("_"))
     target = node.args[0]
-    return in_place and isinstance(target, fx.Node) and target.op == "placeholder"
+    if in_place and isinstance(target, fx.Node) and target.op in ("placeholder", "get_attr"):
+        return target
+    return None
+
+
+def _held_tensor_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
+    """A held tensor with a size equal to a padded symbol's traced size (it may be that dim, unpadded)."""
+    traced = {}
+    for node in gm.graph.nodes:
+        value = example_value(node)
+        for d in value.shape if isinstance(value, torch.Tensor) else ():
+            if isinstance(d, torch.SymInt) and size_expr(d) in symbols and d.node.hint is not None:
+                traced.setdefault(size_expr(d), int(d.node.hint))
+    for node in gm.graph.find_nodes(op="get_attr"):
+        held = getattr(gm, node.target, None)
+        if not isinstance(held, torch.Tensor):
+            continue
+        tied = sorted(str(s) for s, n in traced.items() if n in tuple(held.shape))
+        if tied:
+            return (f"the graph holds the tensor {node.target} of size {list(held.shape)}, which padding does not "
+                    f"pad, and a size of it equals the traced value of the padded {', '.join(tied)}")
+    return None
 
 
 def _from_end(entry) -> bool:
