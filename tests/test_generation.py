@@ -128,7 +128,7 @@ def test_generate_of_a_batch_between_buckets_after_another_batch(xla_device, fam
 
 
 def test_generate_refuses_adapter_names_of_another_batch(llama):
-    with pytest.raises(xlp.UnsupportedMappingError, match="3 rows but this call has a batch of 4"):
+    with pytest.raises(xlp.UnsupportedMappingError, match="adapter_names has 3 names but the prompt has 4 rows"):
         _generate(llama["compiled"], llama["ids"], llama["mask"], ROWS[:3], "static", llama["device"])
 
 
