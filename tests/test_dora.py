@@ -146,3 +146,33 @@ def test_dora_lora_and_base_in_one_batch_on_xla_match_peft(xla_device):
     out = run(swapped)
     assert (out - references[tuple(swapped)]).abs().max().item() < 1e-4
     assert xla_compiles() == before
+
+
+def test_generate_after_peft_refused_dora_adapter_names_drops_peft_stale_hooks(xla_device):
+    """PEFT refuses ``generate(adapter_names=...)`` with DoRA and leaves its per-layer hooks behind (peft 0.17,
+    0.21); the routed generate removes them with a warning and serves the rows exactly, instead of raising
+    PEFT's refusal for a call that never reached PEFT."""
+    from xla_lora_pass.demo_models import DORA_ADAPTER, demo_llama_with_dora
+
+    model, _ = demo_llama_with_dora()
+    perturb_magnitudes(model)
+    ids = torch.randint(3, 128, (3, 5), generator=torch.Generator().manual_seed(4))
+    rows = [DORA_ADAPTER, None, "sql"]
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    names = ["__base__" if r is None else r for r in rows]
+    with torch.no_grad():
+        want = per_adapter_reference(model, lambda: model.generate(input_ids=ids, **kw), rows)
+    with pytest.raises(ValueError, match="DoRA"):
+        with torch.no_grad():
+            model.generate(input_ids=ids, adapter_names=names, **kw)
+    stale = sum(len(m._forward_pre_hooks) for m in model.modules())
+    if stale == 0:
+        pytest.skip("this PEFT removes its hooks when it refuses: nothing stale to drop")
+    model.to(xla_device)
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    with pytest.warns(UserWarning, match=f"removed {stale} adapter_names hooks"), torch.no_grad():
+        out = compiled.generate(input_ids=ids.to(xla_device), adapter_names=names, **kw).cpu()
+    assert torch.equal(out, want)
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0

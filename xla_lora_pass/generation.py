@@ -40,6 +40,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -100,11 +101,41 @@ def routed_generate(meta, model: torch.nn.Module, original, *args, **kwargs):
                 f"one adapter name per prompt row ({BASE_MODEL_NAME!r} for the base model)")
         meta.set_request_adapters(request_rows(adapter_names, _expansion(kwargs)))
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _drop_stale_peft_hooks(model)
     _use_bucketed_static_cache(transformer, backend, args, kwargs)
     with contextlib.ExitStack() as stack:
         for module in _served_modules(transformer):
             stack.enter_context(_forward_through(module, backend))
         return original(*args, **kwargs)
+
+
+# PEFT's forward pre-hook that passes one call's adapter_names to each LoRA layer (peft.tuners.lora.model).
+_PEFT_ADAPTER_NAMES_HOOK = "_adapter_names_pre_forward_hook"
+
+
+def _drop_stale_peft_hooks(model: torch.nn.Module) -> None:
+    """Remove the ``adapter_names`` pre-hooks an earlier PEFT call left on the model, with a warning.
+
+    PEFT adds one per LoRA layer for a call with ``adapter_names=`` and
+    removes them when the call returns, but not when it raises: a refused
+    mixed batch (``Cannot pass `adapter_names` when DoRA is enabled``, peft
+    0.17 and 0.21) leaves them, and every later call of the model then
+    raises PEFT's refusal again.  This generate routes ``adapter_names``
+    itself, so no PEFT hook can be live here.
+    """
+    dropped = 0
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        for key in [k for k, hook in hooks.items()
+                    if getattr(getattr(hook, "func", hook), "__name__", "") == _PEFT_ADAPTER_NAMES_HOOK]:
+            del hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)  # as the hook's own handle.remove() does
+            dropped += 1
+    if dropped:
+        warnings.warn(f"generate: removed {dropped} adapter_names hooks that an earlier PEFT call left on the "
+                      "model when it raised (PEFT does not remove them then; e.g. its refusal of adapter_names "
+                      "with DoRA); without this, every call of the model would raise that refusal again",
+                      stacklevel=3)
 
 
 def _served_modules(transformer: torch.nn.Module) -> list:
