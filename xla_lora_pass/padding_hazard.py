@@ -264,7 +264,9 @@ def _held_tensor_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
             if isinstance(d, torch.SymInt) and size_expr(d) in symbols and d.node.hint is not None:
                 traced.setdefault(size_expr(d), int(d.node.hint))
     for node in gm.graph.find_nodes(op="get_attr"):
-        held = getattr(gm, node.target, None)
+        held = gm
+        for part in str(node.target).split("."):  # a dotted path into submodules, or one flat name
+            held = getattr(held, part, None)
         if not isinstance(held, torch.Tensor):
             continue
         tied = sorted(str(s) for s, n in traced.items() if n in tuple(held.shape))
