@@ -93,13 +93,13 @@ def routed_generate(meta, model: torch.nn.Module, original, *args, **kwargs):
         return original(*args, **kwargs)
     adapter_names = kwargs.pop("adapter_names", None)
     if adapter_names is not None:
-        rows = request_rows(adapter_names)
+        rows = request_rows(adapter_names, _expansion(kwargs))  # checks adapter_names is a list first
         prompt = _prompt(args, kwargs)
-        if isinstance(prompt, torch.Tensor) and prompt.dim() >= 1 and len(rows) != prompt.shape[0]:
+        if isinstance(prompt, torch.Tensor) and prompt.dim() >= 1 and len(adapter_names) != prompt.shape[0]:
             raise UnsupportedMappingError(
-                f"generate: adapter_names has {len(rows)} names but the prompt has {prompt.shape[0]} rows; give "
-                f"one adapter name per prompt row ({BASE_MODEL_NAME!r} for the base model)")
-        meta.set_request_adapters(request_rows(adapter_names, _expansion(kwargs)))
+                f"generate: adapter_names has {len(adapter_names)} names but the prompt has {prompt.shape[0]} rows; "
+                f"give one adapter name per prompt row ({BASE_MODEL_NAME!r} for the base model)")
+        meta.set_request_adapters(rows)
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
     _drop_stale_peft_hooks(model)
     _use_bucketed_static_cache(transformer, backend, args, kwargs)

@@ -257,16 +257,17 @@ def _written(node: fx.Node, name: str) -> Optional[fx.Node]:
 
 def _held_tensor_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
     """A held tensor with a size equal to a padded symbol's traced size (it may be that dim, unpadded)."""
+    held_nodes = gm.graph.find_nodes(op="get_attr")
+    if not held_nodes:
+        return None
     traced = {}
     for node in gm.graph.nodes:
         value = example_value(node)
         for d in value.shape if isinstance(value, torch.Tensor) else ():
             if isinstance(d, torch.SymInt) and size_expr(d) in symbols and d.node.hint is not None:
                 traced.setdefault(size_expr(d), int(d.node.hint))
-    for node in gm.graph.find_nodes(op="get_attr"):
-        held = gm
-        for part in str(node.target).split("."):  # a dotted path into submodules, or one flat name
-            held = getattr(held, part, None)
+    for node in held_nodes:
+        held = operator.attrgetter(node.target)(gm)  # a dotted path into submodules, or one flat name
         if not isinstance(held, torch.Tensor):
             continue
         tied = sorted(str(s) for s, n in traced.items() if n in tuple(held.shape))
