@@ -28,6 +28,6 @@ setup(
     entry_points={
         # torch.compile(m, backend="xla_lora") finds the backend without an import.
         "torch_dynamo_backends": ["xla_lora = xla_lora_pass:xla_lora_backend"],
-        "console_scripts": ["xla-lora-dump = xla_lora_pass.dump:main"],
+        "console_scripts": ["xla-lora-dump = xla_lora_pass.dump.cli:main"],
     },
 )

@@ -61,7 +61,7 @@ GUARDS = "xla_lora, tensor guards only"
 
 
 def _static_cache(model, max_len: int, batch: int = 1):
-    from xla_lora_pass.generation import static_cache
+    from xla_lora_pass.serving.static_cache import static_cache
 
     return static_cache(model.config, max_len, batch)
 

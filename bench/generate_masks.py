@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     import torch_xla
 
     import xla_lora_pass as xlp
-    from xla_lora_pass.generation import static_cache
+    from xla_lora_pass.serving.static_cache import static_cache
 
     dev = torch_xla.device()
     base_cpu, peft_cpu, names = build_models(args.adapters)

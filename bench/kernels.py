@@ -44,8 +44,8 @@ def main(argv=None) -> int:
 
     import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
     from xla_lora_pass import config
-    from xla_lora_pass.ops_segments import build_segment_layout
-    from xla_lora_pass.ops_sorted import build_sorted_layout
+    from xla_lora_pass.kernels.segments import build_segment_layout
+    from xla_lora_pass.kernels.sorted_tokens import build_sorted_layout
 
     dev = torch_xla.device()
     g = torch.Generator().manual_seed(0)

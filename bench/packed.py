@@ -149,7 +149,7 @@ def main(argv=None) -> int:
 def _kernel_name(graph, meta, tokens: int) -> str:
     """The kernel the backend picks for the current mapping of a [1, tokens] call."""
     padded = (1, graph.backend.buckets.pad(tokens))
-    from xla_lora_pass.kernels import FALLBACK
+    from xla_lora_pass.kernels.table import FALLBACK
 
     return next(iter(graph.graph_for_call((1, tokens), padded).kernels), FALLBACK)
 

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import torch_xla
 
     import xla_lora_pass as xlp
-    import xla_lora_pass.backend as backend_mod
+    import xla_lora_pass.backend.lora_backend as backend_mod
     from xla_lora_pass.demo_models import per_sequence_mapping
 
     dev = torch_xla.device()

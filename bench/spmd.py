@@ -61,7 +61,7 @@ def child(name: str, steps: int) -> dict:
 
     import xla_lora_pass as xlp
     from xla_lora_pass.demo_models import per_sequence_mapping
-    from xla_lora_pass.sharding import megatron_shard_llama, shard_bytes
+    from xla_lora_pass.metadata.sharding import megatron_shard_llama, shard_bytes
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,

@@ -32,18 +32,18 @@ STACKED_B_T = "stacked_b_t"
 STACKED_BIAS = "stacked_bias"
 # DoRA's per-slot [N, 2, out] rescaling (gain m/||W + sBA|| - 1, and gain * base bias); zeros for other slots.
 STACKED_DORA = "stacked_dora"
-# The row kernel's per-step input: the slot of each row of the token grid (xla_lora_pass/ops_rows.py).
+# The row kernel's per-step input: the slot of each row of the token grid (xla_lora_pass/kernels/rows.py).
 ROW_SLOTS = "row_slots"
 # The same slot per row, for a saved module that pools each row to one output (a classification head);
 # apart from ROW_SLOTS because it does not select the row kernel.
 POOLED_ROW_SLOTS = "pooled_row_slots"
 # One tensor of a saved module's variant: GraphInputRequest.param = (adapter or None for the original, name).
 SAVED_MODULE_PARAM = "saved_module_param"
-# The segment kernel's per-step layout (xla_lora_pass/ops_segments.py), shared by every site: each block's
+# The segment kernel's per-step layout (xla_lora_pass/kernels/segments.py), shared by every site: each block's
 # slots [max_blocks, K] and each token's pass [max_num_tokens].
 SEGMENT_BLOCK_SLOTS = "segment_block_slots"
 SEGMENT_PICK = "segment_pick"
-# The sorted kernel's per-step layout (xla_lora_pass/ops_sorted.py), shared by every site: the token of each
+# The sorted kernel's per-step layout (xla_lora_pass/kernels/sorted_tokens.py), shared by every site: the token of each
 # sorted row [max_blocks * BS], each block's slot [max_blocks] and each token's sorted row [max_num_tokens].
 SORTED_GATHER = "sorted_gather"
 SORTED_BLOCK_SLOTS = "sorted_block_slots"

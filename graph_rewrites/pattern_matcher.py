@@ -24,7 +24,8 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 from . import fx_utils
 from .annotations import LORA_WEIGHT, LoRAWeightRef
-from .report import NearMiss, RewriteContext, SiteRewrite
+from .context import RewriteContext
+from .report import NearMiss, SiteRewrite
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple
-
-if TYPE_CHECKING:
-    from .kernels import KernelSpec
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclasses.dataclass
@@ -30,32 +27,6 @@ class NearMiss:
     pattern: Optional[str]
     reason: str
     nodes: List[str] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class RewriteContext:
-    """What every pass gets besides the graph: limits from the caller, and the report to fill."""
-
-    max_num_tokens: int
-    report: "RewriteReport"
-    # The kernel this rewrite emits for the sites it applies to (its KernelSpec.site_inputs says which), and
-    # every kernel of the table (xla_lora_pass/kernels.py) in order, the fallback last: it reads the token
-    # indices, so it serves every site the chosen kernel does not.
-    kernel: "KernelSpec"
-    kernels: Tuple["KernelSpec", ...]
-    token_layout: Optional[Tuple] = None  # example dims (int/SymInt) the mapping is laid out over
-    # Nodes whose rows are token_layout flattened row-major (flat_tokens.py): OPT's [B*S, H].
-    flat_token_nodes: FrozenSet = frozenset()
-    row_kernel_min_tokens: int = 1  # the row kernel leaves a static row length below this to the fallback
-    segment_block_tokens: int = 32  # the segment kernel's block length and passes per block
-    segment_slots_per_block: int = 2
-    sorted_block_tokens: int = 16  # the sorted kernel's block length
-    num_slots: int = 1  # adapter slots of every site (the sorted kernel sizes its layout for them and the base)
-
-    @property
-    def fallback(self) -> "KernelSpec":
-        """The kernel of every site ``kernel`` does not apply to."""
-        return self.kernels[-1]
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 The token layout is the leading dims shared by most LoRA sites of the graph
 (``[B, S]`` for HF models, ``[T]`` for flattened tokens); the mapping is
 row-major over it, so a site on that layout flattened row-major (OPT's
-``[B*S, H]``, proven by ``flat_tokens.py``) reads the same indices.  A site whose input is a row selection of a tensor with
+``[B*S, H]``, proven by ``passes/flat_tokens.py``) reads the same indices.  A site whose input is a row selection of a tensor with
 that layout (``hidden[:, -k:, :]`` before ``lm_head``) gets the same
 selection applied to the index grid.
 """
@@ -20,7 +20,7 @@ from . import fx_utils
 from .annotations import (BASE_WEIGHT, LORA_WEIGHT, ROW_SLOTS, SEGMENT_BLOCK_SLOTS, SEGMENT_PICK, SORTED_BLOCK_SLOTS,
                           SORTED_GATHER, SORTED_INVERSE, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
 from .fx_values import size_expr
-from .report import RewriteContext
+from .context import RewriteContext
 
 
 def dims_key(dims) -> Tuple[str, ...]:
@@ -112,7 +112,7 @@ def site_indices(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx
         return None, "no fake shapes on the graph to tie the site's tokens to the mapping"
     lead = shape[: len(shape) - n_feature_dims]
     idx = _shared_indices(graph, ctx, device)
-    # Row-major [B*S] (flat_tokens.py): the same token order as the layout, so the same indices.
+    # Row-major [B*S] (passes/flat_tokens.py): the same token order as the layout, so the same indices.
     if dims_key(lead) == dims_key(layout) or tokens in ctx.flat_token_nodes:
         count = fx_utils.call(graph, "call_method", "size", flat, 0)
         return fx_utils.call(graph, "call_method", "narrow", idx, 0, 0, count), None
@@ -175,7 +175,7 @@ def site_segment_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, f
     """
     if not _on_token_layout(ctx, tokens, n_feature_dims):
         return None
-    bt, k = ctx.segment_block_tokens, ctx.segment_slots_per_block
+    bt, k = ctx.kernel.params  # block tokens, slots per block
     max_blocks = -(-ctx.max_num_tokens // bt)
     block_slots = fx_utils.get_or_add_input(
         graph, f"lora_{SEGMENT_BLOCK_SLOTS}", GraphInputRequest(SEGMENT_BLOCK_SLOTS, None, (max_blocks, k),
@@ -201,7 +201,7 @@ def site_sorted_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, fl
     """
     if not _on_token_layout(ctx, tokens, n_feature_dims):
         return None
-    bs, groups = ctx.sorted_block_tokens, ctx.num_slots + 1
+    (bs,), groups = ctx.kernel.params, ctx.num_slots + 1  # block tokens; the slots and the base
     max_blocks = (ctx.max_num_tokens + groups * (bs - 1)) // bs
     blocks_arg = (bs, groups)
     gather = fx_utils.get_or_add_input(graph, f"lora_{SORTED_GATHER}", GraphInputRequest(
@@ -227,7 +227,7 @@ def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: 
     the outer ones, read off ``tokens`` so it follows the bucket.  None when
     the layout is flat (``[T]``: no rows to tie the
     tokens to requests), rows are a static length under
-    ``ctx.row_kernel_min_tokens`` (1 by default: the decode step's ``[B, 1]``
+    the kernel's minimum row length (1 by default: the decode step's ``[B, 1]``
     graph takes the row kernel too), or the site's tokens are neither the
     layout's nor another stack of the same rows (a row selection keeps the
     token indices).  The input is a ``[max_num_tokens]`` buffer the graph
@@ -237,7 +237,7 @@ def site_row_slots(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: 
     layout = ctx.token_layout
     if shape is None or layout is None or len(layout) < 2:
         return None
-    if not isinstance(layout[-1], torch.SymInt) and int(layout[-1]) < ctx.row_kernel_min_tokens:
+    if not isinstance(layout[-1], torch.SymInt) and int(layout[-1]) < ctx.kernel.params[0]:
         return None
     lead = shape[: len(shape) - n_feature_dims]
     if dims_key(lead) != dims_key(layout) and not _other_stack(tokens, lead, layout, n_feature_dims):

@@ -132,7 +132,7 @@ def lora_weight_uses(gm: fx.GraphModule) -> int:
 def rewritten_inputs(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims) -> list:
     """A rewritten graph's arguments: ``example_inputs`` then the metadata's extra inputs, as the backend feeds them."""
     from graph_rewrites import LORA_INPUT
-    from xla_lora_pass.kernels import lora_graph_inputs
+    from xla_lora_pass.kernels.table import lora_graph_inputs
 
     device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor))
     requests = [n.meta[LORA_INPUT] for n in gm.graph.find_nodes(op="placeholder") if LORA_INPUT in n.meta]
@@ -172,8 +172,8 @@ def check_rewrite(fn: Callable, args: Sequence, meta: xlp.LoRAMetadata, *, rewri
 def backend_rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: xlp.LoRAMetadata, token_dims):
     """(rewritten graph, report, kernel name) the backend runs for this call: its own per-call choice
     (``CompiledLoRAGraph.graph_for_call``) over its rewrites of ``gm`` under ``config.kernel``."""
-    from xla_lora_pass.backend import LoRABackend
-    from xla_lora_pass.kernels import FALLBACK
+    from xla_lora_pass.backend.lora_backend import LoRABackend
+    from xla_lora_pass.kernels.table import FALLBACK
 
     backend = LoRABackend(meta)
     chosen = backend.rewrite_and_wrap(gm, example_inputs, xlp.config.kernel)
@@ -191,7 +191,7 @@ class KernelCounts:
         self.shrink, self.expand, self.also = shrink, expand, dict(also or {})
 
     def resolve(self, kernel: str, report) -> Dict:
-        from xla_lora_pass.kernels import SPECS
+        from xla_lora_pass.kernels.table import SPECS
 
         out = {}
         for spec in SPECS:
@@ -208,7 +208,7 @@ def shrink_expand_counts(shrink: int, expand: int, also: Optional[Dict] = None) 
 
 def count_shrinks(gm: fx.GraphModule) -> int:
     """Shrink calls of any kernel of the table."""
-    from xla_lora_pass.kernels import SPECS
+    from xla_lora_pass.kernels.table import SPECS
 
     return sum(count_ops(gm, spec.shrink_op) for spec in SPECS)
 

@@ -31,9 +31,9 @@ xr.use_spmd()
 import torch_xla.distributed.spmd as xs  # noqa: E402
 
 import xla_lora_pass as xlp  # noqa: E402
-from xla_lora_pass.demo_models import (adapter_table, eager_reference, per_sequence_mapping,  # noqa: E402
-                                        per_token_reference, tiny_peft_llama)
-from xla_lora_pass.sharding import MEGATRON_LLAMA, AdapterSharding, megatron_shard_llama, shard_bytes  # noqa: E402
+from xla_lora_pass.demo_models import (adapter_table, eager_reference, per_sequence_mapping, per_token_reference,
+                                       tiny_peft_llama)
+from xla_lora_pass.metadata.sharding import MEGATRON_LLAMA, AdapterSharding, megatron_shard_llama, shard_bytes
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS = ["sql", "chat", "code"]

@@ -6,7 +6,7 @@ import torch
 import torch_xla.debug.metrics as met
 
 import xla_lora_pass as xlp
-from xla_lora_pass.adapter_pool import SlotCapacityError
+from xla_lora_pass.metadata.pool import SlotCapacityError
 from xla_lora_pass.demo_models import eager_reference, tiny_peft_llama
 
 from .xla_utils import xla_compiles

@@ -4,8 +4,8 @@ import threading
 import pytest
 import torch
 
-from xla_lora_pass.adapter_pool import SlotCapacityError, plan_slots
-from xla_lora_pass.adapter_source import AdapterSource
+from xla_lora_pass.metadata.pool import SlotCapacityError, plan_slots
+from xla_lora_pass.metadata.source import AdapterSource
 from xla_lora_pass.errors import UnsupportedMappingError
 
 
@@ -64,8 +64,8 @@ class _Reads:
         self.calls, self.wait = [], wait
 
     def __call__(self, name, path, scaling, config):
-        from xla_lora_pass.adapter_stacks import LoadedAdapter
-        from xla_lora_pass.formats.peft_dir import read_adapter_dir
+        from xla_lora_pass.metadata.host_stacks import LoadedAdapter
+        from xla_lora_pass.adapters.formats.peft_dir import read_adapter_dir
 
         self.calls.append((name, threading.current_thread().name))
         if self.wait is not None:
@@ -98,7 +98,7 @@ def test_source_host_cache_keeps_only_the_most_recent_reads(tmp_path):
 
 
 def test_kept_copies_are_returned_as_they_are_and_replace_a_directory(tmp_path):
-    from xla_lora_pass.adapter_stacks import LoadedAdapter
+    from xla_lora_pass.metadata.host_stacks import LoadedAdapter
 
     _save_dir(tmp_path / "a")
     reads = _Reads()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import xla_lora_pass as xlp
-from xla_lora_pass.eager_guard import inside_compiled_call
+from xla_lora_pass.serving.eager_guard import inside_compiled_call
 
 from .models import peft_two_layer, per_row_reference
 

@@ -9,7 +9,7 @@ import torch.fx as fx
 
 import xla_lora_pass as xlp
 from graph_rewrites import BASE_WEIGHT, SAVED_PARAM, unrewritten_lora_weights
-from graph_rewrites.saved_modules import find_region, saved_param_inputs
+from graph_rewrites.passes.saved_modules import find_region, saved_param_inputs
 
 from .helpers import (assert_golden, capture_graphs, check_rewrite, count_ops, normalize_gm, run_rewritten,
                       shrink_expand_counts)
@@ -248,7 +248,7 @@ def test_region_is_found_through_the_wrapper_identity():
     model = peft_tiny_lm(SAVED)
     meta = _registered(model)
     (gm, example_inputs), = capture_graphs(model, _ids())
-    from xla_lora_pass.rewrite import annotate_lora_weights
+    from xla_lora_pass.backend.rewrite import annotate_lora_weights
 
     annotate_lora_weights(gm, example_inputs, meta)
     params = saved_param_inputs(gm)["base_model.model.classifier"]

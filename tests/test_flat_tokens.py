@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import xla_lora_pass as xlp
-from graph_rewrites.flat_tokens import flat_token_nodes
+from graph_rewrites.passes.flat_tokens import flat_token_nodes
 
 from .helpers import (assert_golden, capture_graphs, check_rewrite, lora_weight_uses, normalize_gm,
                       per_adapter_reference, shrink_expand_counts)

@@ -8,7 +8,7 @@ import torch
 
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import tiny_peft_llama
-from xla_lora_pass.generation import static_cache
+from xla_lora_pass.serving.static_cache import static_cache
 
 from .xla_utils import xla_compiles
 

@@ -1,10 +1,13 @@
-"""The kernel table (xla_lora_pass/kernels.py) and the op registration every kernel goes through."""
+"""The kernel table (xla_lora_pass/kernels/table.py) and the op registration every kernel goes through."""
+import dataclasses
+
 import pytest
 import torch
 
 import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
-from xla_lora_pass import kernels
-from xla_lora_pass.ops_common import bgmv_shrink_reference
+from xla_lora_pass import config
+from xla_lora_pass.kernels import table as kernels
+from xla_lora_pass.kernels.common import bgmv_shrink_reference
 
 
 def test_every_entry_is_complete():
@@ -22,12 +25,17 @@ def test_every_entry_is_complete():
 
 
 def test_rewrite_kernel_names_the_choices():
-    assert kernels.rewrite_kernel("auto") is kernels.KERNELS[kernels.FIRST].spec
-    assert kernels.rewrite_kernel(kernels.FALLBACK) is kernels.KERNELS[kernels.FALLBACK].spec
+    settings = config.snapshot(segment_block_tokens=64)
+    first = kernels.KERNELS[kernels.FIRST].spec
+    assert kernels.rewrite_kernel("auto", settings) == dataclasses.replace(
+        first, params=(settings.row_kernel_min_tokens,))
+    assert kernels.rewrite_kernel(kernels.FALLBACK, settings) == kernels.KERNELS[kernels.FALLBACK].spec
+    # Each kernel's sizes come from the settings it is bound with, not from the module at call time.
+    assert kernels.rewrite_kernel("segments", settings).params == (64, settings.segment_slots_per_block)
     # The first kernel is exact only for some mappings: it runs under "auto", which falls back for the rest.
     for bad in ("blocked", kernels.FIRST):
         with pytest.raises(ValueError, match="expected one of"):
-            kernels.rewrite_kernel(bad)
+            kernels.rewrite_kernel(bad, settings)
 
 
 class _Mapping:

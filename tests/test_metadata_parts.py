@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import xla_lora_pass as xlp
-from xla_lora_pass import kernels
+from xla_lora_pass.kernels import table as kernels
 from xla_lora_pass.demo_models import tiny_peft_llama
-from xla_lora_pass.stats import Stats
-from xla_lora_pass.token_mapping import StepCache
+from xla_lora_pass.metadata.stats import Stats
+from xla_lora_pass.metadata.token_mapping import StepCache
 
 Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
 V0 = Q0.replace("q_proj", "v_proj")

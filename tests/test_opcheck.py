@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import xla_lora_pass  # noqa: F401  (registers torch.ops.xla_lora)
-from xla_lora_pass.ops_segments import build_segment_layout
-from xla_lora_pass.ops_sorted import build_sorted_layout
+from xla_lora_pass.kernels.segments import build_segment_layout
+from xla_lora_pass.kernels.sorted_tokens import build_sorted_layout
 
 T, D, O, R, N = 6, 5, 7, 3, 4
 ROWS = 2  # T tokens as ROWS rows of T // ROWS

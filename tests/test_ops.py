@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from xla_lora_pass import ops
+from xla_lora_pass.kernels import masked as ops
 
 
 def _case(T=13, D=16, N=3, R=4, O=10, seed=0, dtype=torch.float32):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xla_lora_pass.padding_hazard import padding_hazard
+from xla_lora_pass.shapes.padding_hazard import padding_hazard
 
 
 def _hazard(fn, *args):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import graph_rewrites
 import xla_lora_pass as xlp
 from graph_rewrites import Pattern, fx_utils
-from graph_rewrites.lora_linear import lora_linear_replacement, weights_reason
+from graph_rewrites.patterns.lora_linear import lora_linear_replacement, weights_reason
 from graph_rewrites.pattern_matcher import find_matches, traced_form
 
 from .helpers import capture_graphs, check_rewrite, normalize_gm, shrink_expand_counts

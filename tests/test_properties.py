@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 
 import xla_lora_pass as xlp
-from xla_lora_pass import ops
+from xla_lora_pass.kernels import masked as ops
 
 from .helpers import capture_graphs, check_rewrite, count_ops, lora_weight_uses, normalize_gm, run_rewritten, \
     shrink_expand_counts

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import xla_lora_pass as xlp
-from xla_lora_pass import kernels, ops
-from xla_lora_pass.ops_segments import build_segment_layout, segment_token_indices
+from xla_lora_pass.kernels import table as kernels, masked as ops
+from xla_lora_pass.kernels.segments import build_segment_layout, segment_token_indices
 
 from .helpers import (assert_golden, check_rewrite, compile_lora, count_ops, kernel_op_case, normalize_gm, packed,
                       shrink_expand_counts, two_layer_per_token, ServedLlama)

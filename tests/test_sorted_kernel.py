@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import xla_lora_pass as xlp
-from xla_lora_pass import kernels, ops
+from xla_lora_pass.kernels import table as kernels, masked as ops
 from xla_lora_pass.demo_models import eager_reference, tiny_peft_llama
-from xla_lora_pass.ops_sorted import build_sorted_layout, sorted_blocks, sorted_token_indices
+from xla_lora_pass.kernels.sorted_tokens import build_sorted_layout, sorted_blocks, sorted_token_indices
 
 from .helpers import (assert_golden, check_rewrite, compile_lora, count_ops, kernel_op_case, normalize_gm, packed,
                       shrink_expand_counts, two_layer_per_token, ServedLlama)

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from xla_lora_pass.sharding import COLUMN, MEGATRON_LLAMA, REPLICATED, ROW, AdapterSharding, tile_dims
+from xla_lora_pass.metadata.sharding import COLUMN, MEGATRON_LLAMA, REPLICATED, ROW, AdapterSharding, tile_dims
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4  # fp32, absolute, against the unsharded eager reference

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from xla_lora_pass import symbolic_layer_norm
+from xla_lora_pass.backend import symbolic_layer_norm
 
 
 @pytest.fixture(scope="module", autouse=True)

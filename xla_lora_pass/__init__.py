@@ -8,36 +8,39 @@
 """
 from __future__ import annotations
 
-from . import xla_cpu_flags  # first: XLA reads XLA_FLAGS when its runtime starts
-from . import config, ops  # ops before the passes: registers torch.ops.xla_lora
+from .backend import xla_cpu_flags  # first: XLA reads XLA_FLAGS when its runtime starts
+from . import config
+from .kernels import table as _kernel_table  # noqa: F401  registers torch.ops.xla_lora before any pass runs
 from .backend import LoRABackend, make_backend
+from .backend.rewrite import capture_graphs, rewrite
 from .errors import UnsupportedAdapterError, UnsupportedMappingError
-from .adapter_pool import SlotCapacityError
-from .bucketing import Buckets
 from .metadata import NO_LORA, LoRAMetadata
-from .rewrite import capture_graphs, rewrite
+from .metadata.pool import SlotCapacityError
+from .shapes import Buckets
 
-_default_metadata = None
+_default = None  # (metadata, backend) that backend="xla_lora" uses, made on first need
+
+
+def _default_backend() -> LoRABackend:
+    global _default
+    if _default is None:
+        meta = LoRAMetadata()
+        _default = (meta, make_backend(meta))  # made now, so the model registered later is served by it
+    return _default[1]
 
 
 def default_metadata() -> LoRAMetadata:
     """The process-wide metadata used by ``torch.compile(m, backend="xla_lora")``."""
-    global _default_metadata
-    if _default_metadata is None:
-        _default_metadata = LoRAMetadata()
-    return _default_metadata
+    return _default_backend().meta
 
 
 def xla_lora_backend(gm, example_inputs):
     """Entry point for ``backend="xla_lora"``: the default metadata, default buckets."""
-    backend = getattr(xla_lora_backend, "_backend", None)
-    if backend is None or backend.meta is not default_metadata():
-        backend = xla_lora_backend._backend = make_backend(default_metadata())
-    return backend(gm, example_inputs)
+    return _default_backend()(gm, example_inputs)
 
 
 __all__ = [
     "Buckets", "LoRABackend", "SlotCapacityError", "capture_graphs", "LoRAMetadata", "NO_LORA", "UnsupportedAdapterError",
     "UnsupportedMappingError", "config",
-    "default_metadata", "make_backend", "ops", "rewrite", "xla_lora_backend",
+    "default_metadata", "make_backend", "rewrite", "xla_lora_backend",
 ]

@@ -1,9 +1,16 @@
-"""Every setting of the pass in one place.  Tests patch these attributes.
+"""Every setting of the pass in one place: the defaults, and the ``Settings`` one backend runs with.
 
-Read once here, never inside a pass: ``XLA_LORA_DUMP_DIR`` is the only
-environment variable the package reads.
+``make_backend`` takes a snapshot of these attributes (``snapshot()``, as
+vLLM's ``LoRAConfig``): two backends in one process can differ, and nothing
+reads this module at call time.  Change an attribute before ``make_backend``
+(tests patch them), or pass ``make_backend(meta, settings=config.snapshot(kernel="masked"))``.
+``XLA_LORA_DUMP_DIR`` is the only environment variable the package reads.
 """
+import dataclasses
 import os
+import sys
+import types
+from typing import Mapping, Optional
 
 # Which graph_rewrites passes run (name -> on/off); a missing name is on.  Each
 # pattern of graph_rewrites.PATTERNS is switched by its own name here too
@@ -19,7 +26,7 @@ passes = {
     "fuse_shared_shrink": True,
     # Off: a linear on a strided view of its tokens (lm_head on the last position of each row, as
     # generate's prompt step computes it) multiplies by a copy of its weight per row on XLA
-    # (graph_rewrites/fold_linear_inputs.py).
+    # (graph_rewrites/passes/fold_linear_inputs.py).
     "fold_linear_inputs": True,
 }
 
@@ -34,24 +41,10 @@ fallback_on_error = True
 # whenever TORCH_TRACE is set, whatever this says).
 dump_dir = os.environ.get("XLA_LORA_DUMP_DIR") or None
 
-# The BGMV kernel the pass emits for sites on the graph's token layout: "auto" or
-# one kernel of the table (xla_lora_pass/kernels.py, kernels.CHOICES).
-# "auto" (default): the row kernel (ops_rows.py) when the mapping gives each
-# row of the [B, S] token grid one adapter (one adapter per request, as PEFT's
-# adapter_names= and serving do) and rows hold at least row_kernel_min_tokens
-# padded tokens; else the segment kernel when requests are packed as
-# contiguous segments; else the sorted kernel (any mapping, the tokens
-# ordered by slot on the host) when the bucket is large enough for sorting to
-# pay; otherwise the masked kernel; each from its own rewrite of the same
-# graph, made the first time such a call comes.  The row kernel
-# gathers each row's weights once and does only the LoRA's own FLOPs.
-# "masked" multiplies every token by every slot's weights and selects: one
-# program for any mapping, N times the LoRA FLOPs.
-# "segments" cuts the tokens into blocks of segment_block_tokens consecutive tokens, each multiplied by at
-# most segment_slots_per_block slots' weights: packed batches (docs/kernels.md).
-# "sorted" orders the tokens by slot into blocks of sorted_block_tokens, each on one slot's weights: any mapping.
-# Measured here (XLA on the CPU, hidden 512, 4 layers, all-linear r=16, 16
-# adapters, 512 tokens): docs/benchmarks.md.
+# The BGMV kernel the pass emits for sites on the graph's token layout: "auto" (the
+# default: per call, the first kernel of the table that is exact for the mapping;
+# xla_lora_pass/kernels/table.py says how it picks) or one kernel of the table for
+# every call ("segments", "sorted", "masked": kernels.table.CHOICES).
 kernel = "auto"
 
 # "auto" uses the row kernel only for rows of at least this many (padded)
@@ -63,14 +56,37 @@ kernel = "auto"
 # 1.0-1.2x / 1.25-1.3x (docs/benchmarks.md).  Raise it to send short rows to the masked kernel.
 row_kernel_min_tokens = 1
 
-# The segment kernel (ops_segments.py): tokens per block, and slots (passes) per block.  With 2 passes every
+# The segment kernel (kernels/segments.py): tokens per block, and slots (passes) per block.  With 2 passes every
 # segment of at least segment_block_tokens tokens fits at any offset; a mapping with more slots in some block
 # runs the masked kernel.  Blocks of 32 with 2 passes measured the row kernel's cost on one linear (16
 # segments of 32 tokens; docs/benchmarks.md).
 segment_block_tokens = 32
 segment_slots_per_block = 2
 
-# The sorted kernel (ops_sorted.py): tokens per block.  Each slot's tokens are padded to whole blocks, so
+# The sorted kernel (kernels/sorted_tokens.py): tokens per block.  Each slot's tokens are padded to whole blocks, so
 # a step computes at most num_slots + 1 blocks more than its tokens fill.  On one 512x512 linear with 512
 # tokens mixed at random over 16 adapters, blocks of 16 measured faster than 8 or 32 (docs/benchmarks.md).
 sorted_block_tokens = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The settings one backend (or one ``rewrite`` call) runs with: the attributes above, read once."""
+
+    passes: Mapping[str, bool]
+    fallback_on_error: bool
+    dump_dir: Optional[str]
+    kernel: str
+    row_kernel_min_tokens: int
+    segment_block_tokens: int
+    segment_slots_per_block: int
+    sorted_block_tokens: int
+
+
+def snapshot(**changes) -> Settings:
+    """This module's attributes as they are now, with ``changes`` on top, frozen into one ``Settings``."""
+    module = sys.modules[__name__]
+    values = {f.name: getattr(module, f.name) for f in dataclasses.fields(Settings)}
+    values.update(changes)
+    values["passes"] = types.MappingProxyType(dict(values["passes"]))  # a later edit of ``passes`` is not seen
+    return Settings(**values)

@@ -11,13 +11,15 @@ Two users:
   and prints or writes one of the views in ``views.py``.
 
 A package rather than a module so that ``python -m xla_lora_pass.dump`` runs
-``__main__.py``, not a module the backend has already imported.
+``__main__.py``, not a module the backend has already imported.  This module
+never imports ``cli.py``: the command line builds a backend, and the backend
+imports this module.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -87,12 +89,4 @@ def dump_graphs(dump_dir: Optional[str], before: fx.GraphModule, after: fx.Graph
     return folder
 
 
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The ``xla-lora-dump`` console script (imported late: the backend needs none of the CLI)."""
-    from .cli import main as cli_main
-
-    return cli_main(argv)
-
-
-__all__ = ["GraphDump", "TRACE_AFTER", "TRACE_BEFORE", "TRACE_REPORT", "dump_graphs", "main", "trace_graphs"]
+__all__ = ["GraphDump", "TRACE_AFTER", "TRACE_BEFORE", "TRACE_REPORT", "dump_graphs", "trace_graphs"]

@@ -25,10 +25,10 @@ import torch.fx as fx
 
 from graph_rewrites import RewriteReport
 
-from ..bucketing import Buckets
-from ..metadata import LoRAMetadata
-from ..rewrite import capture_graphs as capture
-from ..rewrite import compile_once
+from ..shapes.bucketing import Buckets
+from ..metadata.lora_metadata import LoRAMetadata
+from ..backend.rewrite import capture_graphs as capture
+from ..backend.rewrite import compile_once
 from .views import GraphDump, render_dot, render_html, render_text
 
 # ------------------------------------------------------------ the CLI
@@ -82,7 +82,7 @@ def capture_graphs(model, args: Sequence, kwargs: Dict) -> List[Tuple[fx.GraphMo
 
 def dump_model(model, args: Sequence, kwargs: Dict, meta: LoRAMetadata) -> List[GraphDump]:
     """Capture ``model``'s graphs and rewrite each with ``meta``: the pass alone, nothing compiled."""
-    from ..rewrite import rewrite
+    from ..backend.rewrite import rewrite
 
     return [GraphDump(i, gm, *rewrite(gm, example_inputs, meta))
             for i, (gm, example_inputs) in enumerate(capture_graphs(model, args, kwargs))]
@@ -100,7 +100,7 @@ def _uniform_mapping(meta: LoRAMetadata, report: RewriteReport) -> None:
 def dump_through_backend(model, args: Sequence, kwargs: Dict, meta: LoRAMetadata, buckets: Buckets,
                          inner=None) -> List[GraphDump]:
     """Compile ``model`` with ``make_backend`` and call it once; ``meta.stats`` then counts the compiles."""
-    from ..backend import make_backend
+    from ..backend.lora_backend import make_backend
 
     backend = make_backend(meta, buckets=buckets, inner=inner)
     seen = []

@@ -18,7 +18,7 @@ from torch.utils._dtype_abbrs import dtype_abbrs
 from graph_rewrites import LORA_INPUT, RewriteReport
 from graph_rewrites.fx_utils import example_value
 
-from ..bucketing import Buckets
+from ..shapes.bucketing import Buckets
 
 
 @dataclasses.dataclass

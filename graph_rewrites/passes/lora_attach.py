@@ -1,0 +1,253 @@
+"""Pattern 8: a registered site whose LoRA branch is not in the graph gets one.
+
+Dynamo traces the active adapter only.  A layer that holds only inactive
+adapters (adapters trained on other ``target_modules``) appears as its bare
+base op, with no LoRA branch for patterns 1-5 to replace:
+
+    y = linear(x, W[, b])          (PEFT ``Linear``)
+    y = addmm(b, x2d, W)           (GPT-2 ``Conv1D``: W is [in, out], x2d a view of x)
+    y = embedding(ids, W)          (PEFT ``Embedding``)
+
+The caller marks W's placeholder (``BASE_WEIGHT``, found by the identity of
+the example tensor); every such op whose output does not already feed a BGMV
+expand becomes
+
+    y = bgmv_expand(bgmv_shrink(x2d, stacked_A, idx), stacked_B, y2d, idx)
+
+the same shrink/expand patterns 1 and 2 emit (the rewrite's kernel, ``kernels.emit_lora_delta``),
+so every slot's adapter is served at every site whatever adapter is active.
+Exact for every mapping: slots whose adapter is absent at the site have zero
+stacks, -1 adds nothing, and the base op is untouched.
+
+A use of W this pass cannot attach to (an unknown form, a site with an
+unsupported adapter, tokens not tied to the mapping) is left alone and
+reported; ``unserved_base_sites`` then lists it for the uniform-mapping
+guard, since it computes no LoRA for any token.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .. import fx_utils
+from ..annotations import BASE_WEIGHT, LORA_INPUT, LORA_WEIGHT, STACKED_BIAS, LoRAWeightRef
+from ..emit import emit_lora_delta, stacks_and_base
+from ..kernel_spec import is_expand
+from ..patterns.lora_linear import apply_site_dora
+from ..context import RewriteContext
+from ..report import NearMiss, SiteRewrite
+from ..site_inputs import device_of, site_indices, stacked_input
+
+PATTERN_NAME = "lora_attach"
+
+_LINEAR = (torch._C._nn.linear, F.linear)
+_EMBEDDING = (F.embedding,)
+# Ops between a base output and the expand that adds the LoRA delta to it (patterns 1, 2, 5 and this one).
+_PASS_THROUGH = {"reshape", "view", "to", "view_as", "contiguous", "flatten"}
+
+
+def _arg(node: fx.Node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
+class BaseOp:
+    """One use of a site's base weight: the op, its token-carrying input and its flat activation."""
+
+    def __init__(self, op: fx.Node, tokens: fx.Node, n_feature_dims: int):
+        self.op, self.tokens, self.n_feature_dims = op, tokens, n_feature_dims
+
+
+def _flat_source(x2d: fx.Node) -> fx.Node:
+    """``x`` when ``x2d`` is ``x.view(-1, in)`` (Conv1D flattens before addmm), else ``x2d``."""
+    if x2d.op == "call_method" and x2d.target in ("view", "reshape") and isinstance(x2d.args[0], fx.Node):
+        source, flat = fx_utils.example_value(x2d.args[0]), fx_utils.example_value(x2d)
+        if (isinstance(source, torch.Tensor) and isinstance(flat, torch.Tensor) and flat.dim() == 2
+                and source.dim() >= 2 and source.shape[-1] == flat.shape[-1]):
+            return x2d.args[0]
+    return x2d
+
+
+def _is_transpose(node: fx.Node, weight: fx.Node) -> bool:
+    """``weight.t()`` / ``.T`` / ``.transpose(0, 1)``: how loralib's ``fan_in_fan_out`` layers read [in, out]."""
+    if node.op == "call_method" and node.args and node.args[0] is weight:
+        return node.target == "t" or (node.target == "transpose" and set(node.args[1:]) == {0, 1})
+    if node.op == "call_function" and node.args and node.args[0] is weight:
+        return (node.target in (torch.t, torch.transpose) and set(node.args[1:]) <= {0, 1}) or (
+            node.target is getattr and node.args[1:] == ("T",))
+    return False
+
+
+def base_op(use: fx.Node, weight: fx.Node, kind: str) -> Optional[BaseOp]:
+    """The use as the site's base op (None if it is some other kind of use)."""
+    if kind == "linear" and _is_transpose(use, weight) and len(use.users) == 1:
+        # linear(x, W.T) with W stored [in, out]: the linear is the base op, whatever layout W has.
+        return base_op(next(iter(use.users)), use, kind)
+    if use.op != "call_function":
+        return None
+    if kind == "linear" and use.target in _LINEAR and _arg(use, 1, "weight") is weight:
+        x = _arg(use, 0, "input")
+        return BaseOp(use, x, 1) if isinstance(x, fx.Node) else None
+    if kind == "linear" and use.target is torch.addmm and len(use.args) >= 3 and use.args[2] is weight \
+            and not use.kwargs and isinstance(use.args[1], fx.Node):
+        return BaseOp(use, _flat_source(use.args[1]), 1)
+    if kind == "embedding" and use.target in _EMBEDDING and _arg(use, 1, "weight") is weight:
+        if _arg(use, 3, "max_norm") is not None:  # renormalises W's rows in place: not a plain lookup
+            return None
+        ids = _arg(use, 0, "input")
+        return BaseOp(use, ids, 0) if isinstance(ids, fx.Node) else None
+    return None
+
+
+def _other_kind_use(use: fx.Node, weight: fx.Node, kind: str) -> bool:
+    """A tied weight read by the other kind of layer (``lm_head`` on the embedding table): not this site."""
+    other = "embedding" if kind == "linear" else "linear"
+    return base_op(use, weight, other) is not None
+
+
+def feeds_lora_expand(node: fx.Node, depth: int = 4) -> bool:
+    """Whether ``node`` is the base output an expand adds a delta to (through reshapes and casts)."""
+    for user in node.users:
+        target = user.target
+        if user.op == "call_function" and is_expand(target) and len(user.args) > 2 and user.args[2] is node:
+            return True
+        if depth and user.op == "call_method" and target in _PASS_THROUGH and user.args[0] is node:
+            if feeds_lora_expand(user, depth - 1):
+                return True
+    return False
+
+
+def _lora_weight_sites(gm: fx.GraphModule) -> set:
+    """Sites whose LoRA weights are still read by the graph: their branch is there (left alone or not)."""
+    return {n.meta[LORA_WEIGHT].site for n in gm.graph.find_nodes(op="placeholder")
+            if LORA_WEIGHT in n.meta and n.users}
+
+
+def base_weight_inputs(gm: fx.GraphModule) -> Iterator[Tuple[fx.Node, LoRAWeightRef]]:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        ref = node.meta.get(BASE_WEIGHT)
+        if ref is not None and node.users:
+            yield node, ref
+
+
+def unserved_uses(weight: fx.Node, ref: LoRAWeightRef) -> Tuple[List[BaseOp], List[fx.Node]]:
+    """(base ops with no LoRA computation on their output, uses of a form no pass knows)."""
+    bare, unknown = [], []
+    for use in weight.users:
+        op = base_op(use, weight, ref.kind)
+        if op is not None:
+            if not feeds_lora_expand(op.op):
+                bare.append(op)
+        elif not _other_kind_use(use, weight, ref.kind):
+            unknown.append(use)
+    return bare, unknown
+
+
+def unserved_base_sites(gm: fx.GraphModule) -> Dict[str, LoRAWeightRef]:
+    """Registered sites in the graph that compute no LoRA for any token (the base op alone).
+
+    Sites whose LoRA branch is in the graph are not listed: that branch
+    names them (``unrewritten_lora_weights``) with the adapter it computes.
+    """
+    branches = _lora_weight_sites(gm)
+    left: Dict[str, LoRAWeightRef] = {}
+    for weight, ref in base_weight_inputs(gm):
+        if ref.site in branches:
+            continue
+        bare, unknown = unserved_uses(weight, ref)
+        if bare or unknown:
+            left[ref.site] = ref
+    return left
+
+
+def _attach(graph: fx.Graph, ctx: RewriteContext, op: BaseOp, ref: LoRAWeightRef) -> Optional[str]:
+    """Add every slot's LoRA delta to one base op's output; None, or why it could not."""
+    y = op.op
+    anchor = y.next
+    with graph.inserting_before(anchor):
+        result = _emit(graph, ctx, op, ref, device_of(y))
+    added, node = [], y.next
+    while node is not anchor:
+        added.append(node)
+        node = node.next
+    if isinstance(result, str):
+        for node in reversed(added):
+            graph.erase_node(node)
+        _erase_unused_inputs(graph)
+        return result
+    new = set(added)
+    y.replace_all_uses_with(result, delete_user_cb=lambda user: user not in new)
+    return None
+
+
+def _erase_unused_inputs(graph: fx.Graph) -> None:
+    """Inputs a failed attach asked for and no longer uses: the caller would feed them for nothing."""
+    for node in graph.find_nodes(op="placeholder"):
+        if LORA_INPUT in node.meta and not node.users:
+            graph.erase_node(node)
+
+
+def _emit(graph: fx.Graph, ctx: RewriteContext, op: BaseOp, ref: LoRAWeightRef, device):
+    """The replacement of ``op.op``'s value (a node), or the reason there is none (a str)."""
+    y = op.op
+    if ref.kind == "embedding":
+        if ref.dora:
+            return "DoRA on an embedding site whose LoRA branch is not in the graph is not attached"
+        ids = fx_utils.call(graph, "call_method", "reshape", op.tokens, -1)
+        idx, reason = site_indices(graph, ctx, op.tokens, ids, 0, device)
+        if idx is None:
+            return reason
+        stacked_a, stacked_b, base2d = stacks_and_base(graph, _AsMatch(y), ref, device)
+        shrunk = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_embedding_shrink.default,
+                               ids, stacked_a, idx)
+        expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_expand.default,
+                                 shrunk, stacked_b, base2d, idx, True)
+        return fx_utils.call(graph, "call_method", "view_as", expanded, y)
+    x2d = fx_utils.call(graph, "call_method", "reshape", op.tokens, -1, ref.in_features)
+    emitted = emit_lora_delta(graph, ctx, _AsMatch(y), ref, op.tokens, x2d, op.n_feature_dims, device,
+                              ref.lora_bias or ref.dora)
+    if isinstance(emitted, str):
+        return emitted
+    expanded, idx = emitted
+    if ref.lora_bias:
+        stacked = stacked_input(graph, ref, STACKED_BIAS, (ref.num_slots, ref.out_features), device)
+        expanded = fx_utils.call(graph, "call_function", torch.ops.xla_lora.bgmv_bias.default,
+                                 expanded, stacked, idx)
+    expanded = apply_site_dora(graph, ref, expanded, idx, device)
+    return fx_utils.call(graph, "call_method", "view_as", expanded, y)
+
+
+class _AsMatch:
+    """The two fields ``stacks_and_base`` reads off a match: the base output is also the output here."""
+
+    def __init__(self, y: fx.Node):
+        self.base = self.output = y
+
+
+def attach_lora_sites(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
+    """Attach the BGMV computation to every registered site's bare base op; record sites and near misses."""
+    branches = _lora_weight_sites(gm)
+    modified = False
+    for weight, ref in list(base_weight_inputs(gm)):
+        if ref.site in branches:
+            continue  # its active adapter's branch is here: patterns 1-5 replaced it or reported why not
+        bare, unknown = unserved_uses(weight, ref)
+        for use in unknown:
+            ctx.report.near_misses.append(NearMiss(ref.site, PATTERN_NAME, (
+                f"its base weight is read by {use.format_node()}, a form the pass cannot attach the LoRA "
+                "computation to"), [use.name]))
+        for op in bare:
+            reason = ref.unsupported or _attach(gm.graph, ctx, op, ref)
+            if reason is not None:
+                ctx.report.near_misses.append(NearMiss(ref.site, PATTERN_NAME, reason, [op.op.name]))
+                continue
+            ctx.report.sites.append(SiteRewrite(
+                site=ref.site, pattern=PATTERN_NAME, adapter=None, x_shape=fx_utils.shape_of(op.tokens),
+                out_shape=fx_utils.shape_of(op.op), rank=ref.stacked_rank, num_slots=ref.num_slots, replaced=[]))
+            modified = True
+    return modified
+
+
+__all__ = ["attach_lora_sites", "unserved_base_sites", "feeds_lora_expand", "base_op", "PATTERN_NAME"]

@@ -1,0 +1,172 @@
+"""``rewrite(gm, example_inputs, meta)``: the pass alone, on a copy of the graph.
+
+It ties the pure-FX pattern library to the metadata: placeholders whose
+example tensor is a registered LoRA parameter (found by identity) are
+annotated with a ``LoRAWeightRef`` before the passes run.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+import graph_rewrites
+from graph_rewrites import (BASE_WEIGHT, LORA_WEIGHT, SAVED_PARAM, LoRAWeightRef, NearMiss, RewriteContext,
+                            RewriteReport, SavedParamRef)
+
+from .. import config
+from ..kernels import table as kernel_table  # its import registers torch.ops.xla_lora before any pass runs
+from ..adapters.formats.peft import lora_param_from_source
+from ..metadata.lora_metadata import LoRAMetadata
+
+log = logging.getLogger(__name__)
+
+
+def capture_graphs(fn, *args, **kwargs) -> List[Tuple[fx.GraphModule, list]]:
+    """Every (GraphModule, example_inputs) Dynamo hands a backend for one call ``fn(*args, **kwargs)``.
+
+    For tools and golden tests that run the pass alone (see ``compile_once``).
+    """
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    compile_once(fn, record, *args, **kwargs)
+    return graphs
+
+
+def compile_once(fn, backend, *args, **kwargs) -> None:
+    """Call ``torch.compile(fn, backend=backend)`` once, without grad, from a fresh Dynamo.
+
+    Reset on both sides: a cached graph, or one past the recompile limit,
+    would never reach ``backend``.
+    """
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(fn, backend=backend)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copied graph.
+
+    Dynamo reads its own placeholders' ``meta["grapharg"]`` after the backend
+    returns, so its graph must never be edited in place.
+    """
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def _unregistered_ref(node: fx.Node) -> Optional[LoRAWeightRef]:
+    """A PEFT LoRA weight the metadata does not know, recognised by its Dynamo source name.
+
+    Left unmarked it would compute its adapter for every token behind the
+    mapping guard's back; marked, it is a near miss and the guard sees it.
+    """
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    hit = lora_param_from_source(source.name()) if source is not None else None
+    if hit is None:
+        return None
+    adapter, role = hit
+    site = re.sub(r"\.lora_(embedding_)?[AB]\b.*$", "", source.name())
+    return LoRAWeightRef(site=site, adapter=adapter, role=role, kind="unknown", in_features=0, out_features=0,
+                         scaling=float("nan"), num_slots=0, stacked_rank=0, dtype=torch.float32,
+                         unsupported=UNREGISTERED)
+
+
+UNREGISTERED = ("a LoRA weight this LoRAMetadata does not know: call meta.register_adapters(model) with "
+                "this model")
+
+
+def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> int:
+    """Mark each placeholder whose example tensor is a LoRA parameter (registered or not), a registered
+    site's base weight, or a tensor of a saved module (PEFT modules_to_save); all found by identity."""
+    found = 0
+    meta.refresh_param_index()
+    for node, tensor in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        base_site = meta.lookup_base(tensor)
+        if base_site is not None:
+            node.meta[BASE_WEIGHT] = _site_ref(meta, base_site, None, "base")
+        saved = meta.lookup_saved(tensor)
+        if saved is not None:
+            module, adapter, name = saved
+            spec = meta.saved_modules[module]
+            node.meta[SAVED_PARAM] = SavedParamRef(module, adapter, name, spec.module_key, spec.adapters,
+                                                   tuple(meta.slots))
+        hit = meta.lookup(tensor)
+        if hit is None:
+            ref = _unregistered_ref(node)
+            if ref is not None:
+                node.meta[LORA_WEIGHT] = ref
+                found += 1
+            continue
+        node.meta[LORA_WEIGHT] = _site_ref(meta, *hit)
+        found += 1
+    return found
+
+
+def _site_ref(meta: LoRAMetadata, site_name: str, adapter: Optional[str], role: str) -> LoRAWeightRef:
+    """What the patterns need to know of a registered site, for one of its weights."""
+    site = meta.sites[site_name]
+    any_w = next(iter(site.adapters.values()))
+    scaling = site.adapters[adapter].scaling if adapter is not None else float("nan")
+    return LoRAWeightRef(
+        site=site_name, adapter=adapter, role=role, kind=site.kind,
+        in_features=site.in_features, out_features=site.out_features, scaling=scaling,
+        num_slots=meta.num_slots, stacked_rank=meta.site_rank(site_name), dtype=any_w.lora_a.dtype,
+        unsupported=site.unsupported, lora_bias=any(w.bias is not None for w in site.adapters.values()),
+        dora=site.has_dora,
+    )
+
+
+def _report_leftovers(gm: fx.GraphModule, report: RewriteReport) -> None:
+    """Every LoRA layer still computing eagerly gets a near-miss entry with a reason."""
+    explained = {n.site for n in report.near_misses}
+    for site, ref in graph_rewrites.unrewritten_lora_weights(gm).items():
+        if site not in explained:
+            reason = getattr(ref, "unsupported", None) or "no pattern matched the computation around its LoRA weights"
+            report.near_misses.append(NearMiss(site, None, reason))
+
+
+def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata, kernel: Optional[str] = None,
+            settings: Optional[config.Settings] = None) -> Tuple[fx.GraphModule, RewriteReport]:
+    """Rewrite every LoRA site of a copy of ``gm``; return the copy and the report.
+
+    ``settings``: a backend's (default: ``config.snapshot()``, the module's
+    values now); ``kernel``: one of ``kernels.table.CHOICES`` (default
+    ``settings.kernel``).
+    """
+    settings = settings if settings is not None else config.snapshot()
+    spec = kernel_table.rewrite_kernel(settings.kernel if kernel is None else kernel, settings)
+    # Annotated once; the passes edit a copy, and the annotated graph is what comes back when nothing was
+    # rewritten (exactly as Dynamo traced it, not the normalized form) or when a pass failed.
+    annotated = copy_graph_module(gm)
+    annotate_lora_weights(annotated, example_inputs, meta)
+    new_gm = copy_graph_module(annotated)
+    ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=spec,
+                         kernels=kernel_table.bound_specs(settings), num_slots=meta.num_slots)
+    try:
+        graph_rewrites.run_passes(new_gm, ctx, settings.passes)
+        if not ctx.report.sites:
+            new_gm = annotated
+    except Exception as exc:  # an unexpected graph must never cost a result
+        if not settings.fallback_on_error:
+            raise
+        log.warning("LoRA rewrite failed, compiling the graph unrewritten: %s", exc, exc_info=True)
+        new_gm = annotated
+        ctx.report = RewriteReport(error=f"{type(exc).__name__}: {exc}")
+    _report_leftovers(new_gm, ctx.report)
+    return new_gm, ctx.report
+
+
+__all__ = ["rewrite", "capture_graphs", "compile_once", "copy_graph_module", "annotate_lora_weights"]

@@ -1,0 +1,281 @@
+"""The adapters on the host: slots, sites, and each site's stacked weights per slot.
+
+Per LoRA site: A ``[N, R, in]`` and B ``[N, out, R]`` with each adapter's
+scaling folded into B, ranks zero-padded to the site's max rank (exact);
+LoRA bias rows ``[N, out]`` (scaled) where an adapter has one, DoRA rows
+``[N, 2, out]`` (adapters/dora.py) where one is DoRA.  ``load_adapter`` validates a
+whole adapter before it touches any slot, so a refused load changes nothing.
+
+Not locked itself: ``LoRAMetadata`` holds its lock around every call.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import types
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from ..adapters.records import AdapterWeights, SiteSpec
+from ..adapters.dora import dora_rows, stack_dora
+from ..adapters.formats.peft_dir import read_adapter_dir
+from ..adapters.formats.state import split_state
+from ..adapters.saved_modules import SavedModuleSpec
+
+
+class LoadedAdapter(NamedTuple):
+    """One adapter's validated host weights, ready to be written into a slot."""
+
+    name: str
+    weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # site -> (A, scaling * B) in the stack dtype
+    dora: Dict[str, torch.Tensor]  # site -> [2, out] DoRA rows
+    bias: Dict[str, torch.Tensor] = {}  # site -> [out] scaled LoRA bias (a slot's snapshot; loads bring none)
+
+
+class AdapterStacks:
+    """Slots, registered sites and saved modules, and the host stacks built from them."""
+
+    def __init__(self, max_rank: Optional[int] = None):
+        self.max_rank = max_rank
+        self.slots: List[Optional[str]] = []
+        self.sites: Mapping[str, SiteSpec] = types.MappingProxyType({})
+        self.saved: Mapping[str, SavedModuleSpec] = types.MappingProxyType({})  # PEFT modules_to_save
+        self._a: Dict[str, torch.Tensor] = {}
+        self._b: Dict[str, torch.Tensor] = {}
+        self._bias: Dict[str, torch.Tensor] = {}
+        self._dora: Dict[str, torch.Tensor] = {}
+
+    def register(self, sites: Sequence[SiteSpec], saved: Sequence[SavedModuleSpec],
+                 slots: List[Optional[str]]) -> None:
+        """Stack every site's adapters into ``slots``; replaces what was registered (nothing on error)."""
+        stacks = {s.name: self._stack_site(s, slots) for s in sites}
+        dora = {s.name: stack_dora(s, slots) for s in sites if s.has_dora}
+        bias = {s.name: _stack_bias(s, slots) for s in sites if any(w.bias is not None for w in s.adapters.values())}
+        self.slots = list(slots)
+        self.sites = types.MappingProxyType({s.name: s for s in sites})
+        self.saved = types.MappingProxyType({m.name: m for m in saved})
+        self._a = {name: a for name, (a, _) in stacks.items()}
+        self._b = {name: b for name, (_, b) in stacks.items()}
+        self._bias, self._dora = bias, dora
+
+    def _stack_site(self, site: SiteSpec, slots: List[Optional[str]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Host stacks of one site; slots whose adapter is absent here stay zero."""
+        dtype = next(iter(site.adapters.values())).lora_a.dtype
+        rank = max([w.rank for w in site.adapters.values()] + [self.max_rank or 1])
+        stack_a = torch.zeros(len(slots), rank, site.in_features, dtype=dtype)
+        stack_b = torch.zeros(len(slots), site.out_features, rank, dtype=dtype)
+        for slot, name in enumerate(slots):
+            if name in site.adapters:
+                where = f"register_adapters: {site.name} adapter {name!r}"
+                _write_slot(stack_a, stack_b, slot, *_host_slot_weights(where, site.adapters[name], dtype))
+        return stack_a, stack_b
+
+    # ---------------------------------------------------------- host stacks
+    def site_rank(self, site: str) -> int:
+        """The site's stacked rank: its largest adapter rank (or ``max_rank``)."""
+        return self._a[site].shape[1]
+
+    def host_a(self, site: str) -> torch.Tensor:
+        return self._a[site]
+
+    def host_b(self, site: str) -> torch.Tensor:
+        return self._b[site]
+
+    def host_bias(self, site: str) -> torch.Tensor:
+        return self._bias[site]
+
+    def host_dora(self, site: str) -> torch.Tensor:
+        return self._dora[site]
+
+    # ------------------------------------------------------------- loading
+    def validate(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> LoadedAdapter:
+        """Read and check one adapter's weights for ``LoRAMetadata.load_adapter``; nothing is written.
+
+        ``state`` is a state dict in the registered layers' own keys (PEFT
+        ``<site>.lora_A.weight``, an adapter name may stand before
+        ``.weight``; torchtune ``<site>.lora_a.weight``; loralib
+        ``<site>.lora_A``; ``adapters/formats/``).  The scaling comes from ``scaling``,
+        from a PEFT ``LoraConfig``, or else from the layer's own formula
+        (torchtune's and loralib's alpha over the loaded rank; a hand-written
+        layer's scaling when the rank is its own).
+
+        ``state`` may also be a PEFT adapter directory (``save_pretrained``:
+        ``adapter_config.json`` and ``adapter_model.safetensors``, or a
+        ``.bin`` read with ``torch.load(weights_only=True)``); the scaling
+        then comes from its config (alpha, ``alpha_pattern``, rsLoRA) and a
+        DoRA adapter's magnitudes from its weights (``adapters/formats/peft_dir.py``).
+
+        Weights may be of any floating dtype, cast to the site's stack dtype
+        (the model's LoRA dtype), and on any device that holds data (CPU, XLA,
+        ...): they are copied to the host, one device-to-host transfer each.
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"load_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
+        if isinstance(state, (str, os.PathLike)):
+            saved_state, saved_config = read_adapter_dir(f"load_adapter({name!r})", state)
+            state, config = saved_state, config if config is not None else saved_config
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_adapter({name!r}): state must be a mapping of name -> tensor or a saved PEFT "
+                            f"adapter directory, got {type(state).__name__}")
+        if not self.sites:
+            raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
+                               "register_adapters(model) with a model that has LoRA layers first")
+        saved = sorted(m.name for m in self.saved.values() if name in m.adapters)
+        if saved:
+            raise ValueError(f"load_adapter({name!r}): this adapter has PEFT modules_to_save copies ({saved}) that "
+                             "load_adapter cannot replace, so its rows would mix new LoRA weights with the old "
+                             "copies; load it into the PEFT model and call register_adapters(model) again")
+        per_site = split_state(f"load_adapter({name!r})", state, self.sites)
+        if not per_site:
+            raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
+        loaded = LoadedAdapter(name, {}, {})
+        for site_name, roles in per_site.items():
+            site, stack_a = self.sites[site_name], self._a[site_name]
+            where = f"load_adapter({name!r}): {site_name}"
+            _check_tensors(where, roles["A"], roles["B"])
+            lora_a, lora_b = roles["A"], roles["B"]
+            if site.format is not None:
+                lora_a, lora_b = site.format.stack_pair(where, site, lora_a, lora_b)
+            _check_shapes(where, site, stack_a.shape[1], lora_a, lora_b)
+            weights = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config),
+                                     magnitude=roles.get("magnitude"))
+            loaded.weights[site_name] = _host_slot_weights(where, weights, stack_a.dtype)
+            if weights.magnitude is None and getattr(config, "use_dora", False):
+                raise KeyError(f"{where}: the config says DoRA but the state has no lora_magnitude_vector for it")
+            if weights.magnitude is not None:
+                if site_name not in self._dora:
+                    raise ValueError(f"{where}: a DoRA adapter, but the site was registered without one, so its "
+                                     "compiled graphs do not rescale per slot; register the model with a DoRA "
+                                     "adapter at this site (PEFT use_dora=True)")
+                loaded.dora[site_name] = dora_rows(where, site, weights)
+        return loaded
+
+    def free_slot(self, name: str) -> Optional[int]:
+        """The slot ``name`` would be written to without evicting anything: its own, else the first free one."""
+        if name in self.slots:
+            return self.slots.index(name)
+        return self.slots.index(None) if None in self.slots else None
+
+    def write(self, loaded: LoadedAdapter, slot: Optional[int] = None) -> int:
+        """Write a validated adapter into ``slot`` (default: its own or the first free one); return the slot."""
+        name = loaded.name
+        if slot is None:
+            slot = self.free_slot(name)
+        if slot is None:
+            raise ValueError(f"load_adapter({name!r}): all {len(self.slots)} slots are taken by {self.slots}; "
+                             "create the metadata with a larger max_slots")
+        self.slots[slot] = name
+        for site_name, stack_a in self._a.items():
+            if site_name in loaded.weights:
+                _write_slot(stack_a, self._b[site_name], slot, *loaded.weights[site_name])
+            else:
+                stack_a[slot].zero_()
+                self._b[site_name][slot].zero_()
+        for site_name, bias in self._bias.items():
+            bias[slot] = loaded.bias.get(site_name, 0.0)  # zeros: an adapter loaded from a state brings no bias
+        for site_name, rows in self._dora.items():
+            rows[slot] = loaded.dora.get(site_name, 0.0)  # zeros: a plain LoRA slot, left as the expand made it
+        return slot
+
+    def snapshot(self, slot: int) -> LoadedAdapter:
+        """The adapter in ``slot`` as host copies, to write back later exactly as it is now."""
+        name = self.slots[slot]
+        weights = {site: (a[slot].clone(), self._b[site][slot].clone()) for site, a in self._a.items()}
+        return LoadedAdapter(name, weights, {site: rows[slot].clone() for site, rows in self._dora.items()},
+                             {site: bias[slot].clone() for site, bias in self._bias.items()})
+
+    def clear(self, slot: int) -> None:
+        """Free ``slot``: no adapter, zero rows in every stack."""
+        self.write(LoadedAdapter(None, {}, {}, {}), slot)
+        self.slots[slot] = None
+
+    def host_row(self, site: str, role: str, slot: int) -> torch.Tensor:
+        """One slot's row of a host stack: role "A" ``[R, in]``, "B" ``[out, R]``, "bias" or "dora"."""
+        return {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}[role][site][slot]
+
+
+def _stack_bias(site: SiteSpec, slots) -> torch.Tensor:
+    """Host ``[N, out]`` LoRA-bias rows, each scaled by its adapter's scaling; zero where absent."""
+    dtype = next(iter(site.adapters.values())).lora_b.dtype
+    bias = torch.zeros(len(slots), site.out_features, dtype=dtype)
+    for slot, name in enumerate(slots):
+        w = site.adapters.get(name)
+        if w is not None and w.bias is not None:
+            bias[slot] = (w.bias.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
+    return bias
+
+
+def _write_slot(stack_a, stack_b, slot: int, lora_a: torch.Tensor, scaled_b: torch.Tensor) -> None:
+    r = lora_a.shape[0]
+    with torch.no_grad():
+        stack_a[slot].zero_()
+        stack_b[slot].zero_()
+        stack_a[slot, :r] = lora_a
+        stack_b[slot, :, :r] = scaled_b
+
+
+def _check_tensors(where: str, lora_a, lora_b) -> None:
+    for what, t in (("lora_A", lora_a), ("lora_B", lora_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {t.dtype} {list(t.shape)}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{where}.{what}: expected a dense tensor, got layout {t.layout}")
+        if t.device.type == "meta":
+            raise ValueError(f"{where}.{what}: a meta tensor holds no data; give the weights on any "
+                             "real device (they are copied to the host)")
+
+
+def _check_shapes(where: str, site: SiteSpec, max_rank: int, lora_a, lora_b) -> None:
+    r = lora_a.shape[0] if lora_a.dim() == 2 else -1
+    if lora_a.dim() != 2 or lora_a.shape[1] != site.in_features or not 1 <= r <= max_rank:
+        raise ValueError(
+            f"{where}.lora_A: expected [r, {site.in_features}] with 1 <= r <= {max_rank} "
+            f"(the site's stacked rank), got {list(lora_a.shape)}"
+        )
+    if list(lora_b.shape) != [site.out_features, r]:
+        raise ValueError(f"{where}.lora_B: expected {[site.out_features, r]}, got {list(lora_b.shape)}")
+
+
+def _scaling_for(name: str, site: SiteSpec, rank: int, scaling: Optional[float], config) -> float:
+    if scaling is not None:
+        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
+            raise TypeError(f"load_adapter({name!r}): scaling must be a real number, got {scaling!r:.80}")
+        if not math.isfinite(scaling):
+            raise ValueError(f"load_adapter({name!r}): scaling must be finite, got {scaling}")
+        return float(scaling)
+    if hasattr(config, "scaling_for"):  # a saved adapter's config: per-site alpha (alpha_pattern), rsLoRA
+        return config.scaling_for(site.name, rank)
+    if config is not None:
+        alpha = config.lora_alpha
+        return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
+    own = site.format.default_scaling(site, rank) if site.format is not None else None
+    if own is not None:
+        return float(own)  # the layer's own formula (torchtune, loralib), or its scaling at its own rank
+    raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config= (site {site.name!r} "
+                     f"has no scaling of its own for rank {rank})")
+
+
+def _host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A and scaling * B as host tensors of the stack dtype; refused if any value is not finite.
+
+    Why refuse: the fused expand multiplies every slot's B by zeros for the
+    tokens on other slots, and 0 * inf is NaN, so one bad slot would reach
+    every token of the batch, not only its own.
+    """
+    with torch.no_grad():
+        lora_a = w.lora_a.detach().to("cpu", dtype)
+        # Folding the scaling into B lets every adapter keep its own alpha/r.
+        scaled_b = (w.lora_b.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
+    for what, t in (("lora_A", lora_a), (f"lora_B * scaling ({w.scaling})", scaled_b)):
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"{where}: {what} has {bad} NaN or inf value(s) (as {dtype}); adapter weights "
+                             "must be finite")
+    return lora_a, scaled_b
+
+
+__all__ = ["AdapterStacks", "LoadedAdapter"]

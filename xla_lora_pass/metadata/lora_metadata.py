@@ -1,0 +1,368 @@
+"""``LoRAMetadata``: the one object that says which adapter each token uses.
+
+It owns, for every registered LoRA site, the per-slot stacked weights and
+the int32 token indices of the current step (-1 = base model only).
+Compiled graphs receive both as graph inputs, so a new mapping or new
+adapter weights never recompile anything.
+
+A facade (the way ``torch.fx.GraphModule`` delegates to ``Graph`` and
+``CodeGen``): metadata/host_stacks.py holds the slots and host stacks and loads
+adapters, metadata/param_index.py finds a graph's parameters, metadata/token_mapping.py holds
+the mapping and every per-step value built from it, metadata/device_stacks.py the
+device copies and their SPMD placement, metadata/stats.py the counters, and
+metadata/pool.py swaps adapters into slots.  This class owns the lock and the
+order of operations; the parts own their state.
+
+Bad input is refused in eager Python before any device work, and a refused
+call changes nothing: ``set_token_adapters`` keeps the old mapping,
+``load_adapter`` leaves every slot and stack as it was (docs/reliability.md
+lists every check).
+
+Thread safety (docs/reliability.md): every method takes the object's lock,
+so each call is all-or-nothing; two objects share no state.  A mapping and
+the model call that reads it are one step another thread must not split,
+and so are a swap or ``load_adapter`` and the next call.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import warnings
+import weakref
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .pool import AdapterPool
+from .host_stacks import AdapterStacks
+from ..adapters.records import SiteSpec
+from .device_stacks import DeviceStacks, Site
+from ..adapters.formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
+from .param_index import ParamIndex
+from ..adapters.saved_modules import SavedModuleSpec, iter_saved_modules
+from .stats import Stats
+from .token_mapping import NO_LORA, TokenAdapter, TokenMapping, to_indices
+
+log = logging.getLogger(__name__)
+
+
+def _locked(method):
+    """Run ``method`` holding the object's lock: each call is all-or-nothing for other threads."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+def _forward(part: str, method):
+    """A facade method that is ``method`` of the part ``self.<part>``, locked; the part's docstring is its."""
+    @_locked
+    @functools.wraps(method)
+    def forward(self, *args, **kwargs):
+        return method(getattr(self, part), *args, **kwargs)
+    return forward
+
+
+class LoRAMetadata:
+    """Shared multi-LoRA state: slots, stacked weights and token indices."""
+
+    def __init__(self, max_num_tokens: int = 8192, *, max_slots: Optional[int] = None,
+                 max_rank: Optional[int] = None):
+        if max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+        self.max_num_tokens = int(max_num_tokens)
+        self.max_slots = max_slots
+        self.max_rank = max_rank
+        # Re-entrant: a method may call another (shard builds an AdapterSharding that reads ``sites``).
+        self._lock = threading.RLock()
+        self._adapters = AdapterStacks(max_rank)
+        self._params = ParamIndex()
+        self._tokens = TokenMapping(self.max_num_tokens)
+        self._stats = Stats()
+        self._devices = DeviceStacks(self._adapters, self._stats.count)
+        self._pool = AdapterPool(self._adapters, self._devices, self._stats)
+        self._model = None  # weak reference to the model registered last
+        self._server = None  # serves that model (serving.ModelServing): set by make_backend
+
+    # ------------------------------------------------------------ adapters
+    @property
+    @_locked
+    def slots(self) -> List[Optional[str]]:
+        """Slot names by slot number (None for a free slot)."""
+        return list(self._adapters.slots)
+
+    @property
+    @_locked
+    def num_slots(self) -> int:
+        return len(self._adapters.slots)
+
+    @property
+    @_locked
+    def sites(self) -> Mapping[str, SiteSpec]:
+        return self._adapters.sites
+
+    @property
+    @_locked
+    def saved_modules(self) -> Mapping[str, SavedModuleSpec]:
+        """PEFT ``modules_to_save`` served per token or row, by module path."""
+        return self._adapters.saved
+
+    @_locked
+    def register_adapters(self, model: torch.nn.Module, *, adapter_name: str = DEFAULT_ADAPTER) -> List[str]:
+        """Stack every loaded adapter of every LoRA layer of ``model``; return slot names.
+
+        LoRA layers are read by the readers of ``formats`` (PEFT, torchtune,
+        loralib, hand-written modules); ``adapter_name`` names the adapter of
+        the formats that hold one per layer.  A layer that cannot be served
+        exactly is refused here (``UnsupportedAdapterError``, naming it).
+        Registering again replaces what was registered before.
+        """
+        sites = list(iter_lora_sites(model, adapter_name))
+        saved = list(iter_saved_modules(model))  # refuses, by name, a kind it cannot serve exactly
+        if not sites:
+            warnings.warn(f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
+                          stacklevel=3)  # the caller of the lock's wrapper
+        names = adapter_names(model, sites) if sites or saved else []
+        num_slots = self.max_slots if self.max_slots is not None else len(names)
+        if len(names) > num_slots:
+            raise ValueError(f"{len(names)} adapters {names} do not fit max_slots={num_slots}")
+        self._adapters.register(sites, saved, list(names) + [None] * (num_slots - len(names)))
+        self._params.refresh(sites, saved)
+        self._devices.sites_changed()
+        self._pool.sites_changed()
+        self._tokens.forget()
+        self._model = weakref.ref(model)
+        if self._server is not None:
+            self._server(model)
+        log.info("registered %d LoRA sites and %d saved modules, slots %s", len(sites), len(saved),
+                 self._adapters.slots)
+        return list(names)
+
+    @property
+    def registered_model(self) -> Optional[torch.nn.Module]:
+        """The model ``register_adapters`` read last (None if none, or if it is gone)."""
+        return self._model() if self._model is not None else None
+
+    @_locked
+    def set_server(self, server: Optional[Callable[[torch.nn.Module], None]]):
+        """``server(model)`` serves the registered model, now and after every ``register_adapters``; returns the
+        previous server.  ``make_backend`` sets it (``serving.ModelServing``): this object never touches a model."""
+        previous, self._server = self._server, server
+        model = self.registered_model
+        if server is not None and model is not None:
+            server(model)
+        return previous
+
+    @_locked
+    def load_adapter(self, name: str, state: Mapping[str, torch.Tensor], *, scaling: Optional[float] = None,
+                     config=None) -> int:
+        """Load one adapter's weights into its slot, a free one, or the least recently used one the current
+        mapping does not use (metadata/pool.py); never recompiles.  Returns the slot.
+
+        ``state``: a state dict in the registered layers' own keys, or a saved
+        PEFT adapter directory; the scaling comes from ``scaling``, from
+        ``config`` (a ``LoraConfig``), from the directory's config, or else from
+        the layer's own formula (``AdapterStacks.validate`` lists them all).
+        Weights of any floating dtype, on any device that holds data, are copied
+        into the host stacks.  Refused before any slot is touched: a shape that
+        does not fit the site, a non-floating dtype, a meta or sparse tensor, a
+        NaN or inf (after the cast and the scaling).  The adapter stays known by
+        name (``add_adapter``), so an eviction can bring it back.
+        """
+        loaded = self._adapters.validate(name, state, scaling=scaling, config=config)
+        self._pool.remember(name, state, loaded, scaling=scaling, config=config)
+        return self._pool.load(loaded, self._mapped_names())
+
+    add_adapter = _forward("_pool", AdapterPool.add)
+
+    @_locked
+    def unload_adapter(self, name: str) -> int:
+        """Free ``name``'s slot (zero rows, written in place); it stays known and comes back on demand."""
+        return self._pool.unload(name, self._mapped_names())
+
+    pin = _forward("_pool", AdapterPool.pin)
+    unpin = _forward("_pool", AdapterPool.unpin)
+    prefetch = _forward("_pool", AdapterPool.prefetch)
+
+    def _mapped_names(self) -> List[str]:
+        """The adapters the current mapping uses (they must not be evicted under it)."""
+        slots = self._adapters.slots
+        return [slots[i] for i in (self._tokens.mapped_slots() or ()) if i >= 0 and slots[i] is not None]
+
+    site_rank = _forward("_adapters", AdapterStacks.site_rank)
+
+    # -------------------------------------------------------- graph lookups
+    @_locked
+    def refresh_param_index(self) -> None:
+        """Re-read parameter identities from the live modules.
+
+        ``model.to(xla_device)`` replaces Parameter objects, so identities
+        taken at registration go stale; the rewrite refreshes once per graph.
+        """
+        self._params.refresh(self._adapters.sites.values(), self._adapters.saved.values())
+
+    lookup = _forward("_params", ParamIndex.lookup)
+    lookup_base = _forward("_params", ParamIndex.lookup_base)
+    lookup_saved = _forward("_params", ParamIndex.lookup_saved)
+
+    @_locked
+    def saved_tensor(self, module: str, adapter: Optional[str], name: str, device) -> torch.Tensor:
+        """One tensor of a saved module's variant, the live one (the model's own, on ``device``)."""
+        tensor = self._adapters.saved[module].tensors(adapter)[name]
+        return tensor if tensor.device == torch.device(device) else tensor.to(device)
+
+    # ------------------------------------------------- device placement
+    @_locked
+    def stacked_weights(self, site_name: Site, device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The site's stacked (A, B) on ``device``, each transferred once and cached.
+
+        ``site_name`` may be a tuple of sites (sites fused on one input): A is
+        then their stacks concatenated along the rank dim, B None.
+        """
+        fused = isinstance(site_name, tuple)
+        return self._devices.stacked_a(site_name, device), None if fused else self._devices.stacked_b(site_name, device)
+
+    @property
+    @_locked
+    def stacks_generation(self) -> int:
+        """Changes whenever the device stacks are made anew: until then ``stacked_*`` return the same tensors."""
+        return self._devices.generation
+
+    stacked_a = _forward("_devices", DeviceStacks.stacked_a)
+    stacked_b = _forward("_devices", DeviceStacks.stacked_b)
+    stacked_bias = _forward("_devices", DeviceStacks.stacked_bias)
+    stacked_dora = _forward("_devices", DeviceStacks.stacked_dora)
+
+    @_locked
+    def shard(self, mesh, layout=None, *, axis: Optional[str] = None, both: bool = False):
+        """Shard the stacked adapter buffers over a torch_xla SPMD ``mesh`` like their base weights.
+
+        Per site ``column``, ``row`` or ``replicated`` (metadata/sharding.py's table),
+        from ``layout`` (``{leaf module name or site: layout}``, e.g.
+        ``sharding.MEGATRON_LLAMA``, or a callable) or else read off the base
+        weight's sharding spec; ``both=True`` also splits the stack the layout
+        leaves whole.  Index buffers stay replicated.  Returns the
+        ``sharding.AdapterSharding``; ``shard(None)`` turns it off.
+        docs/scale-out.md.
+        """
+        from .sharding import AdapterSharding
+
+        sharding = None if mesh is None else AdapterSharding(self, mesh, layout, axis, both)
+        self._devices.set_sharding(sharding)
+        return sharding
+
+    @property
+    @_locked
+    def sharding(self):
+        """The ``AdapterSharding`` set by ``shard(mesh)``, or None."""
+        return self._devices.sharding
+
+    # --------------------------------------------------------------- mapping
+    @_locked
+    def set_token_adapters(self, mapping: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
+        """Set each flattened token's adapter: a name, a slot number, or None / -1 for base.
+
+        Valid for calls with exactly that many tokens; replaces a request mapping.
+        """
+        self._set_mapping(self._tokens.set_tokens, mapping, "set_token_adapters", "token")
+
+    @_locked
+    def set_request_adapters(self, rows: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
+        """Set each batch row's adapter (a name, a slot number, or None / -1 for base), for every later call.
+
+        Each compiled graph lays the rows over its own token dims: every token
+        of row b (``[B, S]`` prompts, ``[B, 1]`` decode steps, a pooled
+        ``[B]``, an encoder and a decoder of different lengths) uses
+        ``rows[b]``, until the next ``set_request_adapters`` or
+        ``set_token_adapters``.  A call whose batch is not ``len(rows)`` is refused.
+        """
+        self._set_mapping(self._tokens.set_requests, rows, "set_request_adapters", "row")
+
+    def _set_mapping(self, set_fn, mapping, caller: str, unit: str) -> None:
+        """Check the mapping (adapters the pool can load count as known), load what no slot holds keeping
+        every adapter it names in its slot, then set it; refused after a swap, the old mapping goes too."""
+        slots = list(self._adapters.slots)
+        strings = mapping if isinstance(mapping, Sequence) and not isinstance(mapping, (str, bytes)) else ()
+        named = slots + list(dict.fromkeys(e for e in strings if isinstance(e, str) and e not in slots
+                                           and e in self._pool.source))
+        checked = to_indices(mapping, named, caller, unit)
+        self._pool.ensure([named[i] for i in sorted(set(checked.tolist())) if i >= 0], caller)
+        try:
+            set_fn(mapping, self._adapters.slots)
+        except Exception:
+            if self._adapters.slots != slots:
+                self._tokens.forget()  # its slot numbers may now mean other adapters
+            raise
+
+    @contextlib.contextmanager
+    def warming_up(self):
+        """Within: compiled graphs skip the mapping checks and every token is on the base model."""
+        with self._lock:
+            saved = self._tokens.enter_warm_up()
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._tokens.exit_warm_up(saved)
+
+    @property
+    @_locked
+    def is_warming_up(self) -> bool:
+        return self._tokens.warming_up
+
+    @property
+    @_locked
+    def num_tokens(self) -> Optional[int]:
+        """Length of the current token mapping (None without one, e.g. under a request mapping)."""
+        mapping = self._tokens.mapping()
+        return None if mapping is None else int(mapping.numel())
+
+    @property
+    @_locked
+    def has_mapping(self) -> bool:
+        """Whether a token or a request mapping is set."""
+        return self._tokens.has_mapping
+
+    mapping = _forward("_tokens", TokenMapping.mapping)
+    request_adapters = _forward("_tokens", TokenMapping.request_adapters)
+    mapped_slots = _forward("_tokens", TokenMapping.mapped_slots)
+    token_mapping = _forward("_tokens", TokenMapping.token_mapping)
+    check_mapping_fits = _forward("_tokens", TokenMapping.check_fits)
+
+    # ------------------------------------------- per-step values (metadata/token_mapping.py)
+    token_indices = _forward("_tokens", TokenMapping.token_indices)
+    rows_uniform = _forward("_tokens", TokenMapping.rows_uniform)
+    row_slots = _forward("_tokens", TokenMapping.row_slots)
+
+    step_value = _forward("_tokens", TokenMapping.step_value)
+
+    # ------------------------------------------------------------------ stats
+    @property
+    @_locked
+    def stats(self) -> Mapping:
+        """Counters: compiles, rewrites, bucket_hits, fallbacks, padded_token_fraction (a snapshot)."""
+        return self._stats.snapshot()
+
+    count = _forward("_stats", Stats.count)
+
+    # ------------------------------------------------ for tests and the dump
+    @_locked
+    def host_stacks(self, site_name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The site's host (A, scaled B) stacks themselves, not copies: read, do not write."""
+        return self._adapters.host_a(site_name), self._adapters.host_b(site_name)
+
+    @_locked
+    def device_copies(self) -> Mapping[Tuple[Site, str, str], torch.Tensor]:
+        """The device stacks made so far, by (site, role, device)."""
+        return self._devices.copies()
+
+    @_locked
+    def step_tensors(self, device) -> List[torch.Tensor]:
+        """The buffers on ``device`` built from the current mapping so far (token indices, row slots, layouts)."""
+        return [t for t in self._tokens.cache.tensors() if t.device == torch.device(device)]
+
+
+__all__ = ["LoRAMetadata", "NO_LORA", "TokenAdapter"]

@@ -1,0 +1,48 @@
+"""Which registered site, adapter and role a graph's parameter tensor is, by tensor identity.
+
+The rewrite looks every placeholder up here.  ``model.to(xla_device)``
+replaces Parameter objects, so identities taken at registration go stale:
+``refresh`` re-reads them from the live modules (once per graph).
+
+Not locked itself: ``LoRAMetadata`` holds its lock around every call.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+from ..adapters.records import SiteSpec
+from ..adapters.saved_modules import SavedModuleSpec
+
+
+class ParamIndex:
+    """id(tensor) -> what it is: a LoRA weight, a site's base weight, or a saved module's tensor."""
+
+    def __init__(self):
+        self._lora: Dict[int, Tuple[str, str, str]] = {}  # -> (site, adapter, role)
+        self._base: Dict[int, str] = {}  # -> site
+        self._saved: Dict[int, Tuple[str, Optional[str], str]] = {}  # -> (module, adapter or None, tensor name)
+
+    def refresh(self, sites: Iterable[SiteSpec], saved: Iterable[SavedModuleSpec]) -> None:
+        sites = list(sites)
+        self._lora = {pid: (s.name, adapter, role) for s in sites for pid, (adapter, role) in s.param_roles().items()}
+        self._base = {id(w): s.name for s in sites if (w := s.base_weight()) is not None}
+        self._saved = {}
+        for m in saved:
+            for adapter in (None,) + m.adapters:
+                for name, tensor in m.tensors(adapter).items():
+                    self._saved.setdefault(id(tensor), (m.name, adapter, name))
+
+    def lookup(self, tensor) -> Optional[Tuple[str, str, str]]:
+        """``(site, adapter, role)`` if ``tensor`` is a registered LoRA parameter."""
+        return self._lora.get(id(tensor))
+
+    def lookup_base(self, tensor) -> Optional[str]:
+        """The site whose base-layer weight ``tensor`` is, if any."""
+        return self._base.get(id(tensor))
+
+    def lookup_saved(self, tensor) -> Optional[Tuple[str, Optional[str], str]]:
+        """``(saved module, adapter or None for the original, tensor name)`` if ``tensor`` belongs to one."""
+        return self._saved.get(id(tensor))
+
+
+__all__ = ["ParamIndex"]

@@ -1,0 +1,204 @@
+"""Many adapters on a few slots: which adapter goes into which slot, and where its weights come from.
+
+The device holds ``num_slots`` adapters at a time (the stacks every compiled
+graph reads); an ``AdapterSource`` knows any number more by name, on the host
+or on disk (a PEFT ``save_pretrained`` directory, read as data only).  When a
+mapping names an adapter that is not in a slot, ``plan_slots`` picks the slot:
+a free one, else the least recently used adapter the mapping does not need and
+nobody pinned (S-LoRA's and LoRAX's policy).  A mapping that needs more
+adapters than there are slots is refused before anything changes.
+
+A swap writes one slot of the host stacks and of each device copy in place
+(``DeviceStacks.write_slot``): its cost is one adapter's bytes, whatever
+the number of slots, and it never recompiles a graph (stacks are graph
+inputs).  ``AdapterSource.prefetch`` reads the next mapping's directories on
+a background thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Set, Tuple
+
+from .source import AdapterSource
+from .host_stacks import AdapterStacks, LoadedAdapter
+from .device_stacks import DeviceStacks
+from ..errors import UnsupportedMappingError
+from .stats import Stats
+
+
+class SlotCapacityError(UnsupportedMappingError):
+    """A mapping needs more adapters on the device at once than there are slots to hold them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPlan:
+    """What to load where for one mapping: (adapter, slot) pairs, and the adapters they replace."""
+
+    loads: Tuple[Tuple[str, int], ...]
+    evictions: Tuple[str, ...]
+    hits: int  # adapters the mapping names that were already in a slot
+
+
+def plan_slots(slots: Sequence[Optional[str]], wanted: Iterable[str], *, pinned: Iterable[str] = (),
+               last_used: Mapping[str, int] = {}, caller: str = "set the mapping") -> SlotPlan:
+    """Slots for the adapters ``wanted`` (in first-use order): resident ones stay, the others take a free
+    slot, else the least recently used slot whose adapter is neither wanted nor pinned.
+
+    Raises ``SlotCapacityError`` (nothing changes) when ``wanted`` holds more adapters than the slots
+    that are free, resident for it, or evictable.
+    """
+    wanted = list(dict.fromkeys(wanted))
+    resident = {name: slot for slot, name in enumerate(slots) if name is not None}
+    missing = [name for name in wanted if name not in resident]
+    keep = set(wanted) | set(pinned)
+    free = [slot for slot, name in enumerate(slots) if name is None]
+    evictable = sorted((slot for slot, name in enumerate(slots) if name is not None and name not in keep),
+                       key=lambda slot: last_used.get(slots[slot], -1))
+    if len(missing) > len(free) + len(evictable):
+        held = sorted(set(pinned) & set(resident) - set(wanted))
+        raise SlotCapacityError(
+            f"{caller}: needs {len(wanted)} adapters {wanted} in slots at once, but there are "
+            f"{len(slots)} slots" + (f", {len(held)} of them kept by {held} (pinned, holding PEFT "
+                                     "modules_to_save copies, or used by the current mapping)" if held else "") +
+            f": it needs {len(wanted) + len(held)} slots. Split the batch into batches of at most "
+            f"{len(slots) - len(held)} adapters, unpin some, or create the LoRAMetadata with a larger max_slots")
+    loads, evictions = [], []
+    for name in missing:
+        if free:
+            slot = free.pop(0)
+        else:
+            slot = evictable.pop(0)
+            evictions.append(slots[slot])
+        loads.append((name, slot))
+    return SlotPlan(tuple(loads), tuple(evictions), hits=len(wanted) - len(missing))
+
+
+class AdapterPool:
+    """Slots as a cache over an ``AdapterSource``: loads, LRU evictions, pins; the device written per slot.
+
+    Not locked itself: ``LoRAMetadata`` holds its lock around every call.
+    """
+
+    def __init__(self, stacks: AdapterStacks, devices: DeviceStacks, stats: Stats, host_cache: int = 16):
+        self._stacks, self._devices, self._stats = stacks, devices, stats
+        self.source = AdapterSource(
+            lambda name, path, scaling, config: stacks.validate(name, path, scaling=scaling, config=config),
+            host_cache)
+        self.pinned: Set[str] = set()
+        self._last_used: Dict[str, int] = {}
+        self._clock = 0
+
+    def add(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> None:
+        """Know adapter ``name`` without loading it: a mapping that names it loads it into a slot.
+
+        ``state`` as for ``load_adapter``: a directory is read when a slot
+        needs it (or on ``prefetch``), a state dict is checked now and kept as
+        a host copy.
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"add_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
+        if isinstance(state, (str, os.PathLike)):
+            self.source.add_dir(name, state, scaling=scaling, config=config)
+        else:
+            self.source.keep(self._stacks.validate(name, state, scaling=scaling, config=config))
+
+    def remember(self, name: str, state, loaded: LoadedAdapter, *, scaling: Optional[float] = None,
+                 config=None) -> None:
+        """After ``load_adapter``: its directory, or else the validated host copy, stays known by name."""
+        if isinstance(state, (str, os.PathLike)):
+            self.source.add_dir(name, state, scaling=scaling, config=config)
+        else:
+            self.source.keep(loaded)
+
+    def prefetch(self, names: Iterable[str], wait: bool = False) -> None:
+        """Read the directories of ``names`` on a background thread, before a mapping needs them
+        (``wait``: until they are read)."""
+        self.source.prefetch(names, wait)
+
+    def sites_changed(self) -> None:
+        """After ``register_adapters``: host copies checked against the old sites go, directories stay."""
+        self.source.forget_copies()
+        self.pinned.clear()
+        self._last_used.clear()
+
+    def pin(self, name: str) -> None:
+        """Keep ``name`` in its slot until ``unpin`` (loading it now if it is not in one)."""
+        if name not in self._stacks.slots and name not in self.source:
+            raise KeyError(f"pin({name!r}): unknown adapter; slots: {self._stacks.slots}, or add it with add_adapter")
+        self.ensure([name], f"pin({name!r})")
+        self.pinned.add(name)
+
+    def unpin(self, name: str) -> None:
+        self.pinned.discard(name)
+
+    def fixed(self) -> Set[str]:
+        """Adapters that never leave their slot: pinned ones, and those with PEFT modules_to_save copies
+        (a compiled graph picks a saved module's copy by slot number)."""
+        return self.pinned | {a for m in self._stacks.saved.values() for a in m.adapters}
+
+    def touch(self, names: Iterable[str]) -> None:
+        """``names`` were just used by a mapping: the least recently used go first."""
+        self._clock += 1
+        for name in names:
+            self._last_used[name] = self._clock
+
+    def ensure(self, wanted: Sequence[str], caller: str) -> None:
+        """Every adapter of ``wanted`` the source knows in a slot, loading and evicting as needed.
+
+        Names neither resident nor known are left for the mapping's own check
+        to refuse.  All reads and checks happen before the first slot changes.
+        """
+        slots = self._stacks.slots
+        known = [n for n in dict.fromkeys(wanted) if n in slots or n in self.source]
+        plan = plan_slots(slots, known, pinned=self.fixed(), last_used=self._last_used, caller=caller)
+        loaded = [(self.source.get(name), slot) for name, slot in plan.loads]
+        for adapter, slot in loaded:
+            self._write(adapter, slot)
+        self._stats.count("slot_hits", n=plan.hits)
+        self.touch(known)
+
+    def load(self, loaded: LoadedAdapter, protected: Iterable[str]) -> int:
+        """Write a validated adapter into its slot, a free one, or the least recently used one not in
+        ``protected`` (the current mapping's adapters); return the slot."""
+        slot = self._stacks.free_slot(loaded.name)
+        if slot is None:
+            plan = plan_slots(self._stacks.slots, [loaded.name], pinned=self.fixed() | set(protected),
+                              last_used=self._last_used, caller=f"load_adapter({loaded.name!r})")
+            slot = plan.loads[0][1]
+        self._write(loaded, slot)
+        self.touch([loaded.name])
+        return slot
+
+    def unload(self, name: str, protected: Iterable[str]) -> int:
+        """Free ``name``'s slot (it stays known by name, to come back on demand); return the slot."""
+        if name not in self._stacks.slots:
+            raise KeyError(f"unload_adapter({name!r}): not in a slot; slots: {self._stacks.slots}")
+        if name in set(protected):
+            raise ValueError(f"unload_adapter({name!r}): the current mapping uses it; set a mapping without it first")
+        saved = sorted(m.name for m in self._stacks.saved.values() if name in m.adapters)
+        if saved:
+            raise ValueError(f"unload_adapter({name!r}): it has PEFT modules_to_save copies ({saved}), which compiled "
+                             "graphs pick by slot number, so it stays in its slot")
+        slot = self._stacks.slots.index(name)
+        self._keep_if_unknown(slot)
+        self._stacks.clear(slot)
+        self._devices.write_slot(slot)
+        self.pinned.discard(name)
+        return slot
+
+    def _write(self, loaded: LoadedAdapter, slot: int) -> None:
+        previous = self._stacks.slots[slot]
+        if previous is not None and previous != loaded.name:
+            self._keep_if_unknown(slot)
+            self._stats.count("evictions")
+        self._stacks.write(loaded, slot)
+        self._stats.count("loads")
+        self._devices.write_slot(slot)
+
+    def _keep_if_unknown(self, slot: int) -> None:
+        """An adapter leaving its slot that the source cannot give back (one registered from the model)
+        is kept as a host copy of its rows, so it can come back exactly."""
+        name = self._stacks.slots[slot]
+        if name not in self.source:
+            self.source.keep(self._stacks.snapshot(slot))

@@ -1,0 +1,138 @@
+"""Adapters known by name and kept off the device: on disk (a PEFT directory) or as host copies.
+
+Reading a directory is the slow part of a swap (file I/O, safetensors
+parsing, the cast and the checks of ``load_adapter``); ``prefetch`` does it
+on a background thread into a small host cache of validated adapters, so the
+serving thread only copies rows into the stacks.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import threading
+from typing import Callable, Dict, Iterable, List, Optional, Union
+
+from .host_stacks import LoadedAdapter
+
+# validate(name, directory, scaling, config) -> the adapter's checked host weights (AdapterStacks.validate).
+Validate = Callable[[str, Union[str, os.PathLike], Optional[float], object], LoadedAdapter]
+
+
+class AdapterSource:
+    """Adapters by name: a directory read when needed, or a validated host copy kept as it is.
+
+    ``get(name)`` returns the adapter ready for ``AdapterStacks.write``.  A
+    directory is read and validated at most once while it stays among the
+    ``host_cache`` most recently read ones (prefetched ones included).
+    Thread safe: ``prefetch`` reads on one background thread.
+    """
+
+    def __init__(self, validate: Validate, host_cache: int = 16):
+        if host_cache < 0:
+            raise ValueError(f"host_cache must be >= 0, got {host_cache}")
+        self._validate = validate
+        self._dirs: Dict[str, tuple] = {}  # name -> (directory, scaling, config)
+        self._kept: Dict[str, LoadedAdapter] = {}  # host copies (a state dict loaded, a slot evicted)
+        self._read: "collections.OrderedDict[str, LoadedAdapter]" = collections.OrderedDict()
+        self._pending: Dict[str, concurrent.futures.Future] = {}
+        self._host_cache = host_cache
+        self._lock = threading.Lock()
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def add_dir(self, name: str, path, *, scaling: Optional[float] = None, config=None) -> None:
+        """Know ``name`` as a PEFT adapter directory, read when a slot needs it."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"add_adapter({name!r}): {os.fspath(path)!r} is not a directory; give a "
+                                    "directory written by PEFT's save_pretrained, or a state dict")
+        with self._lock:
+            self._kept.pop(name, None)
+            self._read.pop(name, None)  # a new definition: forget what was read for the old one
+            self._dirs[name] = (path, scaling, config)
+
+    def keep(self, loaded: LoadedAdapter) -> None:
+        """Know ``loaded.name`` as this host copy (replacing a directory of that name)."""
+        with self._lock:
+            self._dirs.pop(loaded.name, None)
+            self._read.pop(loaded.name, None)
+            self._kept[loaded.name] = loaded
+
+    def forget_copies(self) -> None:
+        """Drop every host copy (kept and read); directories stay known and are read again when needed."""
+        with self._lock:
+            self._kept.clear()
+            self._read.clear()
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            for table in (self._dirs, self._kept, self._read):
+                table.pop(name, None)
+
+    def __contains__(self, name) -> bool:
+        with self._lock:
+            return name in self._dirs or name in self._kept
+
+    def names(self) -> List[str]:
+        with self._lock:
+            return list(self._dirs) + list(self._kept)
+
+    def get(self, name: str) -> LoadedAdapter:
+        """The adapter ``name``: kept, cached, being prefetched (waited for), or read now."""
+        with self._lock:
+            if name in self._kept:
+                return self._kept[name]
+            if name not in self._dirs:
+                raise KeyError(f"unknown adapter {name!r}: neither in a slot nor added with add_adapter")
+            pending = self._pending.get(name)
+        if pending is not None:
+            pending.result()  # a prefetch is reading it: wait for that read rather than read again
+        with self._lock:
+            cached = self._read.get(name)
+            if cached is not None:
+                self._read.move_to_end(name)
+                return cached
+            entry = self._dirs[name]
+        return self._read_now(name, entry)
+
+    def prefetch(self, names: Iterable[str], wait: bool = False) -> None:
+        """Start reading the directories of ``names`` on a background thread (others are skipped);
+        ``wait``: return once they are read (a read that failed raises at ``get``)."""
+        names = list(dict.fromkeys(names))
+        self._start(names)
+        if wait:
+            with self._lock:
+                pending = [self._pending[n] for n in names if n in self._pending]
+            concurrent.futures.wait(pending)
+
+    def _start(self, names: List[str]) -> None:
+        with self._lock:
+            todo = [n for n in names
+                    if n in self._dirs and n not in self._read and n not in self._pending]
+            if not todo:
+                return
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xla-lora-prefetch")
+            for name in todo:
+                self._pending[name] = self._executor.submit(self._prefetch_one, name, self._dirs[name])
+
+    def _prefetch_one(self, name: str, entry: tuple) -> None:
+        try:
+            self._read_now(name, entry)
+        except Exception:  # noqa: BLE001  get() reads again and raises it on the serving thread
+            pass
+        finally:
+            with self._lock:
+                self._pending.pop(name, None)
+
+    def _read_now(self, name: str, entry: tuple) -> LoadedAdapter:
+        path, scaling, config = entry
+        loaded = self._validate(name, path, scaling, config)
+        with self._lock:
+            if self._dirs.get(name) is entry and self._host_cache:
+                self._read[name] = loaded
+                while len(self._read) > self._host_cache:
+                    self._read.popitem(last=False)
+        return loaded
+
+
+__all__ = ["AdapterSource", "Validate"]
