@@ -10,7 +10,7 @@ repetitions, median [min-max]); every part runs in fresh processes
 Parts: step time (bench/step_time.py), decode and prefill steps and a full
 ``generate`` with a static cache (bench/decode_step.py; ``--decode-only`` runs
 that part alone), the pass's own time against graph size
-(bench/pass_time.py), the BGMV kernel forms on one linear (bench/kernels.py),
+(bench/pass_time.py), the BGMV kernel forms on one linear (bench/kernel_forms.py),
 and compiles for a serving stream (bench/recompiles.py, with --recompiles).
 """
 from __future__ import annotations
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     default_sched = run_child("step_time.py", ["--adapters", "16", "--tokens", "512", "--reps", str(reps)],
                               "step time, XLA's default scheduler",
                               env={"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"})
-    kernels = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "kernels.py"), "--reps", str(reps)],
+    kernels = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "kernel_forms.py"), "--reps", str(reps)],
                              capture_output=True, text=True, check=True).stdout.strip()
     print("  done: kernels", file=sys.stderr)
     recompiles = None
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         "included):\n\n" + step_tables([default_sched]),
         "## The pass's own time against graph size\n\nSame model, 4 adapters, 128 tokens; 'first call' is Dynamo "
         "tracing + the pass + XLA compile + one step.\n\n" + ptable,
-        "## BGMV forms on one linear (bench/kernels.py)\n\n" + kernels,
+        "## BGMV forms on one linear (bench/kernel_forms.py)\n\n" + kernels,
     ]
     if recompiles:
         sections.append("## Compiles for a serving stream (bench/recompiles.py --max-tokens 64)\n\n" + recompiles)

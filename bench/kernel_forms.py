@@ -1,19 +1,19 @@
 """Op-level: one LoRA linear with a mixed batch, each BGMV form against the base matmul.
 
-    python bench/kernels.py [--tokens 512] [--slots 16] [--rank 16] [--dim 512] [--reps 7]
+    python bench/kernel_forms.py [--tokens 512] [--slots 16] [--rank 16] [--dim 512] [--reps 7]
 
 One 512x512 linear, 512 tokens spread over 16 adapters at random, r=16, fp32,
 every form compiled with plain ``openxla`` on the XLA CPU device:
 
 * base: ``x @ W.T`` (the floor);
-* masked: base + ``torch.ops.xla_lora.bgmv_shrink`` / ``bgmv_expand`` (ops.py, what the pass emits);
-* rows: base + ``bgmv_shrink_rows`` / ``bgmv_expand_rows`` (ops_rows.py, the default kernel) for the
+* masked: base + ``torch.ops.xla_lora.bgmv_shrink`` / ``bgmv_expand`` (kernels/masked.py, what the pass emits);
+* rows: base + ``bgmv_shrink_rows`` / ``bgmv_expand_rows`` (kernels/rows.py, the default kernel) for the
   per-request case: the tokens as 16 rows of T/16, row i on adapter i mod N;
-* segments: base + ``bgmv_shrink_segments`` / ``bgmv_expand_segments`` (ops_segments.py) for the same
+* segments: base + ``bgmv_shrink_segments`` / ``bgmv_expand_segments`` (kernels/segments.py) for the same
   tokens packed as 16 requests of T/16 in one row (blocks of ``config.segment_block_tokens`` with
   ``config.segment_slots_per_block`` passes), the layout already on the device;
-* sorted: base + ``bgmv_shrink_sorted`` / ``bgmv_expand_sorted`` (ops_sorted.py) for the random mix itself,
-  tokens ordered by slot into blocks of BS (``--sorted-blocks``), the layout already on the device.
+* sorted: base + ``bgmv_shrink_sorted`` / ``bgmv_expand_sorted`` (kernels/sorted_tokens.py) for the random mix
+  itself, tokens ordered by slot into blocks of BS (``--sorted-blocks``), the layout already on the device.
 
 Each repetition runs every form in turn; the ratios are within one repetition.
 """
@@ -115,13 +115,14 @@ def main(argv=None) -> int:
 
     fns = {
         "base matmul": run(c_base, x, w),
-        "masked (ops.py)": run(c_masked, x, w, a, b, idx),
-        "rows (ops_rows.py), one adapter per row of 16": run(c_rows, x, w, a_t, b_t, row_slots),
-        f"segments (ops_segments.py), 16 requests of {t // 16} in one row": run(c_segments, x, w, a_t, b_t,
+        "masked (kernels/masked.py)": run(c_masked, x, w, a, b, idx),
+        "rows (kernels/rows.py), one adapter per row of 16": run(c_rows, x, w, a_t, b_t, row_slots),
+        f"segments (kernels/segments.py), 16 requests of {t // 16} in one row": run(c_segments, x, w, a_t, b_t,
                                                                                 *seg_layout),
     }
     for bs, layout in sorted_layouts.items():
-        fns[f"sorted (ops_sorted.py), blocks of {bs}, the random mix"] = run(c_sorted, x, w, a_t, b_t, *layout)
+        fns[f"sorted (kernels/sorted_tokens.py), blocks of {bs}, the random mix"] = run(c_sorted, x, w, a_t, b_t,
+                                                                                          *layout)
     for fn in fns.values():  # warm up: compile and settle
         for _ in range(3):
             fn()
