@@ -44,6 +44,7 @@ class _Mapping:
     def __init__(self, rows_uniform: bool, segments_fit: bool):
         self._rows, self._segments = rows_uniform, segments_fit
         self.asked = []
+        self.num_slots = 1  # the sorted kernel sizes its blocks for the slots and the base
 
     def rows_uniform(self, real):
         self.asked.append("rows")
@@ -65,15 +66,25 @@ def _requests(name):
                                                   (False, False, "masked")])
 def test_choose_takes_the_first_kernel_that_fits(rows, segments, want):
     meta = _Mapping(rows, segments)
-    assert kernels.choose(meta, _requests, (1, 64), (1, 64)) == want
-    if want != "rows":  # the segment kernel is asked with the blocks its rewrite was made for
+    assert kernels.choose(meta, _requests, (1, 64), (1, 64), config.snapshot()) == want
+    if want != "rows":  # the segment kernel is asked with the blocks its rewrite is made for
         assert ("segments", 32, 2) in meta.asked
 
 
 def test_choose_skips_a_kernel_whose_rewrite_has_no_site_on_it():
     meta = _Mapping(True, True)
-    assert kernels.choose(meta, lambda name: [], (1, 64), (1, 64)) == kernels.FALLBACK
-    assert meta.asked == []
+    assert kernels.choose(meta, lambda name: [], (1, 64), (1, 64), config.snapshot()) == kernels.FALLBACK
+
+
+def test_choose_asks_fits_before_it_makes_a_rewrite():
+    """A rewrite with another kernel is made (``requests_of``) only for a kernel whose ``fits`` accepts."""
+    meta, made = _Mapping(False, False), []
+
+    def requests_of(name):
+        made.append(name)
+        return _requests(name)
+    assert kernels.choose(meta, requests_of, (1, 64), (1, 64), config.snapshot()) == kernels.FALLBACK
+    assert made == [] and "rows" in meta.asked
 
 
 def test_registered_ops_fill_in_their_defaults():

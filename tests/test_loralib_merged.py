@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import xla_lora_pass as xlp
-from graph_rewrites.fx_utils import functionalize_fresh_index_puts
+from graph_rewrites.passes.normalize import functionalize_fresh_index_puts
 from xla_lora_pass import UnsupportedAdapterError
 from xla_lora_pass.demo_models import per_sequence_mapping
 

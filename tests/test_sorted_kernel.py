@@ -89,11 +89,8 @@ def test_sorted_rewrite_golden_and_numerics(update_golden, monkeypatch):
 
 
 def test_sorted_fits_buckets_where_sorting_beats_masking():
-    from graph_rewrites.annotations import SORTED_GATHER, GraphInputRequest
-
     def fits(tokens, slots):
-        req = GraphInputRequest(SORTED_GATHER, None, (8,), blocks=(16, slots + 1))
-        return kernels.sorted_fits(req, (1, tokens))
+        return kernels.sorted_fits((1, tokens), 16, slots + 1)
 
     assert fits(512, 16) and fits(512, 4) and fits(128, 3)
     # A decode step's few tokens over many slots, or two slots: block padding outweighs the masked columns.

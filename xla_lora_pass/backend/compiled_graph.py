@@ -160,10 +160,11 @@ class CompiledLoRAGraph:
             return self
         if warming is not None:
             # What a call from that kernel on runs: a bucket the kernel does not fit warms the one it falls to.
-            return self.variant(choose(self.meta, requests_of, token_dims, padded_dims, start=warming))
+            return self.variant(choose(self.meta, requests_of, token_dims, padded_dims, self.context.settings,
+                                               start=warming))
         if self.meta.is_warming_up:
             return self  # warming without a named kernel (precompile_generate) warms "auto"'s own programs
-        return self.variant(choose(self.meta, requests_of, token_dims, padded_dims))
+        return self.variant(choose(self.meta, requests_of, token_dims, padded_dims, self.context.settings))
 
     def variant(self, kernel: str) -> "CompiledLoRAGraph":
         """This graph rewritten with ``kernel`` ("auto" and the kernel "auto" rewrites with: itself), built once,

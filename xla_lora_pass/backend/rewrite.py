@@ -94,23 +94,21 @@ def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: Lo
     found = 0
     meta.refresh_param_index()
     for node, tensor in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
-        base_site = meta.lookup_base(tensor)
-        if base_site is not None:
-            node.meta[BASE_WEIGHT] = _site_ref(meta, base_site, None, "base")
-        saved = meta.lookup_saved(tensor)
-        if saved is not None:
-            module, adapter, name = saved
+        roles = meta.weight_ref(tensor)
+        if roles.base is not None:
+            node.meta[BASE_WEIGHT] = _site_ref(meta, roles.base, None, "base")
+        if roles.saved is not None:
+            module, adapter, name = roles.saved
             spec = meta.saved_modules[module]
             node.meta[SAVED_PARAM] = SavedParamRef(module, adapter, name, spec.module_key, spec.adapters,
                                                    tuple(meta.slots))
-        hit = meta.lookup(tensor)
-        if hit is None:
+        if roles.lora is None:
             ref = _unregistered_ref(node)
             if ref is not None:
                 node.meta[LORA_WEIGHT] = ref
                 found += 1
             continue
-        node.meta[LORA_WEIGHT] = _site_ref(meta, *hit)
+        node.meta[LORA_WEIGHT] = _site_ref(meta, *roles.lora)
         found += 1
     return found
 

@@ -60,8 +60,8 @@ from .sorted_tokens import build_sorted_layout, sorted_blocks, sorted_buffers
 
 # (meta, request, device, real token dims, padded token dims) -> the tensor for one added placeholder.
 Feed = Callable[[LoRAMetadata, GraphInputRequest, torch.device, tuple, tuple], torch.Tensor]
-# (meta, the graph's request of the kernel's first input kind, real dims, padded dims) -> exact for the mapping.
-Fits = Callable[[LoRAMetadata, GraphInputRequest, tuple, tuple], bool]
+# (meta, the kernel's params, real dims, padded dims) -> whether it runs this call's mapping (exact, and worth it).
+Fits = Callable[[LoRAMetadata, Tuple[int, ...], tuple, tuple], bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +103,12 @@ def _host_segments(meta: LoRAMetadata, real, padded, block_tokens: int, slots_pe
                            lambda grid: build_segment_layout(grid, block_tokens, slots_per_block))
 
 
-def sorted_fits(req: GraphInputRequest, padded) -> bool:
+def sorted_fits(padded, block_tokens: int, groups: int) -> bool:
     """Whether the sorted kernel is worth running for a bucket of ``padded`` token dims: its sorted rows
     (the tokens, each slot's padded to whole blocks) at most half the masked kernel's N rows per token.  It is
     exact for any mapping; this keeps small buckets (a decode step's few tokens) on the masked kernel, whose
     block padding would outweigh the work."""
     tokens = math.prod(int(d) for d in padded)
-    block_tokens, groups = req.blocks
     return 2 * sorted_blocks(tokens, block_tokens, groups) * block_tokens <= tokens * (groups - 1)
 
 
@@ -137,14 +136,14 @@ KERNELS: Dict[str, Kernel] = {
         KernelSpec("rows", "bgmv_shrink_rows", "bgmv_expand_rows", transposed=True, site_inputs=site_row_slots,
                    input_kinds=(ROW_SLOTS,)),
         feeds={ROW_SLOTS: lambda meta, req, device, real, padded: meta.row_slots(device, real, padded)},
-        fits=lambda meta, req, real, padded: meta.rows_uniform(real),
+        fits=lambda meta, params, real, padded: meta.rows_uniform(real),
         params=lambda settings: (settings.row_kernel_min_tokens,)),
     # Requests packed as contiguous segments of the flattened tokens (kernels/segments.py).
     "segments": Kernel(
         KernelSpec("segments", "bgmv_shrink_segments", "bgmv_expand_segments", transposed=True,
                    site_inputs=site_segment_layout, input_kinds=(SEGMENT_BLOCK_SLOTS, SEGMENT_PICK)),
         feeds={SEGMENT_BLOCK_SLOTS: _nth_input(segment_inputs, 0), SEGMENT_PICK: _nth_input(segment_inputs, 1)},
-        fits=lambda meta, req, real, padded: segments_fit(meta, real, padded, *req.blocks),
+        fits=lambda meta, params, real, padded: segments_fit(meta, real, padded, *params),
         params=lambda settings: (settings.segment_block_tokens, settings.segment_slots_per_block)),
     # Any mapping, the tokens ordered by slot on the host into blocks of one slot each (kernels/sorted_tokens.py).
     "sorted": Kernel(
@@ -152,7 +151,7 @@ KERNELS: Dict[str, Kernel] = {
                    site_inputs=site_sorted_layout, input_kinds=(SORTED_GATHER, SORTED_BLOCK_SLOTS, SORTED_INVERSE)),
         feeds={SORTED_GATHER: _nth_input(sorted_inputs, 0), SORTED_BLOCK_SLOTS: _nth_input(sorted_inputs, 1),
                SORTED_INVERSE: _nth_input(sorted_inputs, 2)},
-        fits=lambda meta, req, real, padded: sorted_fits(req, padded),
+        fits=lambda meta, params, real, padded: sorted_fits(padded, params[0], meta.num_slots + 1),
         params=lambda settings: (settings.sorted_block_tokens,)),
     # Every token times every slot's columns, then a select (kernels/masked.py): any mapping.
     "masked": Kernel(KernelSpec("masked", "bgmv_shrink", "bgmv_expand", transposed=False), feeds={}),
@@ -248,20 +247,22 @@ def kernels_run(requests: Sequence[GraphInputRequest]) -> frozenset:
 
 
 def choose(meta: LoRAMetadata, requests_of: Callable[[str], Sequence[GraphInputRequest]], token_dims,
-           padded_dims, start: Optional[str] = None) -> str:
-    """The per-call choice: the first kernel whose rewrite runs it and whose ``fits`` accepts the mapping.
+           padded_dims, settings: Settings, start: Optional[str] = None) -> str:
+    """The per-call choice: the first kernel whose ``fits`` accepts the mapping and whose rewrite runs it.
 
-    ``requests_of(name)`` is the graph inputs of the rewrite with kernel
-    ``name`` (made on first need); the fallback when none fits.  ``start``:
-    consider the table from that kernel on (precompile warms what a kernel
-    falls to for a bucket it does not fit).
+    ``fits`` is asked first, with the kernel's params from ``settings``:
+    ``requests_of(name)``, the graph inputs of the rewrite with kernel
+    ``name``, makes that rewrite on first need, so only a kernel that fits
+    gets one.  The fallback when none fits.  ``start``: consider the table
+    from that kernel on (precompile warms what a kernel falls to for a bucket
+    it does not fit).
     """
     names = list(KERNELS)
     for name in names[names.index(start) if start is not None else 0:]:
         kernel = KERNELS[name]
         if kernel.fits is None:
             break
-        request = kernel_request(requests_of(name), name)
-        if request is not None and kernel.fits(meta, request, token_dims, padded_dims):
+        if kernel.fits(meta, kernel.params(settings), token_dims, padded_dims) \
+                and kernel_request(requests_of(name), name) is not None:
             return name
     return FALLBACK

@@ -3,70 +3,45 @@
 It owns, for every registered LoRA site, the per-slot stacked weights and
 the int32 token indices of the current step (-1 = base model only).
 Compiled graphs receive both as graph inputs, so a new mapping or new
-adapter weights never recompile anything.
+adapter weights never recompile anything.  It holds state only: it never
+touches the user's model (``make_backend`` serves the model, ``set_server``).
 
 A facade (the way ``torch.fx.GraphModule`` delegates to ``Graph`` and
-``CodeGen``): metadata/host_stacks.py holds the slots and host stacks and loads
-adapters, metadata/param_index.py finds a graph's parameters, metadata/token_mapping.py holds
-the mapping and every per-step value built from it, metadata/device_stacks.py the
-device copies and their SPMD placement, metadata/stats.py the counters, and
-metadata/pool.py swaps adapters into slots.  This class owns the lock and the
-order of operations; the parts own their state.
-
-Bad input is refused in eager Python before any device work, and a refused
-call changes nothing: ``set_token_adapters`` keeps the old mapping,
-``load_adapter`` leaves every slot and stack as it was (docs/reliability.md
-lists every check).
-
-Thread safety (docs/reliability.md): every method takes the object's lock,
-so each call is all-or-nothing; two objects share no state.  A mapping and
-the model call that reads it are one step another thread must not split,
-and so are a swap or ``load_adapter`` and the next call.
+``CodeGen``) over the modules beside it: host_stacks.py (slots, host stacks,
+loading), param_index.py (a graph's parameters), token_mapping.py (the
+mapping and every per-step value built from it), device_stacks.py (device
+copies, SPMD placement), stats.py (counters) and pool.py (adapters into
+slots).  This class owns the lock (locking.py) and the order of operations;
+the parts own their state.  A refused call changes nothing, and every call
+is all-or-nothing for other threads (docs/reliability.md).
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import threading
 import warnings
 import weakref
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch
 
-from .pool import AdapterPool
-from .host_stacks import AdapterStacks
-from ..adapters.records import SiteSpec
-from .device_stacks import DeviceStacks, Site
 from ..adapters.formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
-from .param_index import ParamIndex
+from ..adapters.records import SiteSpec
 from ..adapters.saved_modules import SavedModuleSpec, iter_saved_modules
+from .device_stacks import DeviceStacks, Site
+from .host_stacks import AdapterStacks
+from .locking import forward as _forward
+from .mapping_facade import MappingFacade
+from .locking import locked as _locked
+from .param_index import ParamIndex
+from .pool import AdapterPool
 from .stats import Stats
-from .token_mapping import NO_LORA, TokenAdapter, TokenMapping, to_indices
+from .token_mapping import NO_LORA, TokenAdapter, TokenMapping
 
 log = logging.getLogger(__name__)
 
 
-def _locked(method):
-    """Run ``method`` holding the object's lock: each call is all-or-nothing for other threads."""
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return locked
-
-
-def _forward(part: str, method):
-    """A facade method that is ``method`` of the part ``self.<part>``, locked; the part's docstring is its."""
-    @_locked
-    @functools.wraps(method)
-    def forward(self, *args, **kwargs):
-        return method(getattr(self, part), *args, **kwargs)
-    return forward
-
-
-class LoRAMetadata:
+class LoRAMetadata(MappingFacade):
     """Shared multi-LoRA state: slots, stacked weights and token indices."""
 
     def __init__(self, max_num_tokens: int = 8192, *, max_slots: Optional[int] = None,
@@ -204,9 +179,9 @@ class LoRAMetadata:
         """
         self._params.refresh(self._adapters.sites.values(), self._adapters.saved.values())
 
+    weight_ref = _forward("_params", ParamIndex.weight_ref)
     lookup = _forward("_params", ParamIndex.lookup)
     lookup_base = _forward("_params", ParamIndex.lookup_base)
-    lookup_saved = _forward("_params", ParamIndex.lookup_saved)
 
     @_locked
     def saved_tensor(self, module: str, adapter: Optional[str], name: str, device) -> torch.Tensor:
@@ -259,85 +234,6 @@ class LoRAMetadata:
     def sharding(self):
         """The ``AdapterSharding`` set by ``shard(mesh)``, or None."""
         return self._devices.sharding
-
-    # --------------------------------------------------------------- mapping
-    @_locked
-    def set_token_adapters(self, mapping: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
-        """Set each flattened token's adapter: a name, a slot number, or None / -1 for base.
-
-        Valid for calls with exactly that many tokens; replaces a request mapping.
-        """
-        self._set_mapping(self._tokens.set_tokens, mapping, "set_token_adapters", "token")
-
-    @_locked
-    def set_request_adapters(self, rows: Union[Sequence[TokenAdapter], torch.Tensor]) -> None:
-        """Set each batch row's adapter (a name, a slot number, or None / -1 for base), for every later call.
-
-        Each compiled graph lays the rows over its own token dims: every token
-        of row b (``[B, S]`` prompts, ``[B, 1]`` decode steps, a pooled
-        ``[B]``, an encoder and a decoder of different lengths) uses
-        ``rows[b]``, until the next ``set_request_adapters`` or
-        ``set_token_adapters``.  A call whose batch is not ``len(rows)`` is refused.
-        """
-        self._set_mapping(self._tokens.set_requests, rows, "set_request_adapters", "row")
-
-    def _set_mapping(self, set_fn, mapping, caller: str, unit: str) -> None:
-        """Check the mapping (adapters the pool can load count as known), load what no slot holds keeping
-        every adapter it names in its slot, then set it; refused after a swap, the old mapping goes too."""
-        slots = list(self._adapters.slots)
-        strings = mapping if isinstance(mapping, Sequence) and not isinstance(mapping, (str, bytes)) else ()
-        named = slots + list(dict.fromkeys(e for e in strings if isinstance(e, str) and e not in slots
-                                           and e in self._pool.source))
-        checked = to_indices(mapping, named, caller, unit)
-        self._pool.ensure([named[i] for i in sorted(set(checked.tolist())) if i >= 0], caller)
-        try:
-            set_fn(mapping, self._adapters.slots)
-        except Exception:
-            if self._adapters.slots != slots:
-                self._tokens.forget()  # its slot numbers may now mean other adapters
-            raise
-
-    @contextlib.contextmanager
-    def warming_up(self):
-        """Within: compiled graphs skip the mapping checks and every token is on the base model."""
-        with self._lock:
-            saved = self._tokens.enter_warm_up()
-        try:
-            yield self
-        finally:
-            with self._lock:
-                self._tokens.exit_warm_up(saved)
-
-    @property
-    @_locked
-    def is_warming_up(self) -> bool:
-        return self._tokens.warming_up
-
-    @property
-    @_locked
-    def num_tokens(self) -> Optional[int]:
-        """Length of the current token mapping (None without one, e.g. under a request mapping)."""
-        mapping = self._tokens.mapping()
-        return None if mapping is None else int(mapping.numel())
-
-    @property
-    @_locked
-    def has_mapping(self) -> bool:
-        """Whether a token or a request mapping is set."""
-        return self._tokens.has_mapping
-
-    mapping = _forward("_tokens", TokenMapping.mapping)
-    request_adapters = _forward("_tokens", TokenMapping.request_adapters)
-    mapped_slots = _forward("_tokens", TokenMapping.mapped_slots)
-    token_mapping = _forward("_tokens", TokenMapping.token_mapping)
-    check_mapping_fits = _forward("_tokens", TokenMapping.check_fits)
-
-    # ------------------------------------------- per-step values (metadata/token_mapping.py)
-    token_indices = _forward("_tokens", TokenMapping.token_indices)
-    rows_uniform = _forward("_tokens", TokenMapping.rows_uniform)
-    row_slots = _forward("_tokens", TokenMapping.row_slots)
-
-    step_value = _forward("_tokens", TokenMapping.step_value)
 
     # ------------------------------------------------------------------ stats
     @property

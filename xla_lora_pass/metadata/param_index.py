@@ -8,10 +8,18 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, NamedTuple, Optional, Tuple
 
 from ..adapters.records import SiteSpec
 from ..adapters.saved_modules import SavedModuleSpec
+
+
+class ParamRoles(NamedTuple):
+    """What one tensor is to the registered adapters (None where it is not)."""
+
+    lora: Optional[Tuple[str, str, str]]  # (site, adapter, role)
+    base: Optional[str]  # the site whose base-layer weight it is
+    saved: Optional[Tuple[str, Optional[str], str]]  # (saved module, adapter or None, tensor name)
 
 
 class ParamIndex:
@@ -32,6 +40,11 @@ class ParamIndex:
                 for name, tensor in m.tensors(adapter).items():
                     self._saved.setdefault(id(tensor), (m.name, adapter, name))
 
+    def weight_ref(self, tensor) -> "ParamRoles":
+        """Everything ``tensor`` is, in one look-up: a LoRA parameter, a site's base weight, a saved module's."""
+        key = id(tensor)
+        return ParamRoles(self._lora.get(key), self._base.get(key), self._saved.get(key))
+
     def lookup(self, tensor) -> Optional[Tuple[str, str, str]]:
         """``(site, adapter, role)`` if ``tensor`` is a registered LoRA parameter."""
         return self._lora.get(id(tensor))
@@ -40,9 +53,5 @@ class ParamIndex:
         """The site whose base-layer weight ``tensor`` is, if any."""
         return self._base.get(id(tensor))
 
-    def lookup_saved(self, tensor) -> Optional[Tuple[str, Optional[str], str]]:
-        """``(saved module, adapter or None for the original, tensor name)`` if ``tensor`` belongs to one."""
-        return self._saved.get(id(tensor))
 
-
-__all__ = ["ParamIndex"]
+__all__ = ["ParamIndex", "ParamRoles"]

@@ -20,11 +20,14 @@ import dataclasses
 import os
 from typing import Dict, Iterable, Mapping, Optional, Sequence, Set, Tuple
 
-from .source import AdapterSource
-from .host_stacks import AdapterStacks, LoadedAdapter
-from .device_stacks import DeviceStacks
+import torch
+
 from ..errors import UnsupportedMappingError
+from .device_stacks import DeviceStacks
+from .host_stacks import AdapterStacks, LoadedAdapter
+from .source import AdapterSource
 from .stats import Stats
+from .token_mapping import NO_LORA, to_indices
 
 
 class SlotCapacityError(UnsupportedMappingError):
@@ -157,6 +160,23 @@ class AdapterPool:
             self._write(adapter, slot)
         self._stats.count("slot_hits", n=plan.hits)
         self.touch(known)
+
+    def slots_for(self, mapping, caller: str, unit: str) -> torch.Tensor:
+        """The mapping's host int32 slot numbers, converted once: names the source can load count as known,
+        and what no slot holds is loaded first (``ensure``), each named adapter kept in its slot."""
+        slots = list(self._stacks.slots)
+        strings = mapping if isinstance(mapping, Sequence) and not isinstance(mapping, (str, bytes)) else ()
+        loadable = list(dict.fromkeys(e for e in strings if isinstance(e, str) and e not in slots
+                                      and e in self.source))
+        named = slots + loadable
+        indices = to_indices(mapping, slots, caller, unit, loadable)
+        self.ensure([named[i] for i in sorted(set(indices.tolist()) - {NO_LORA})], caller)
+        now = self._stacks.slots
+        if now == slots:
+            return indices
+        # The pool loaded some: each name's slot number now (NO_LORA, -1, reads the appended -1).
+        renumber = torch.tensor([now.index(n) if n in now else NO_LORA for n in named] + [NO_LORA], dtype=torch.int32)
+        return renumber[indices.long()]
 
     def load(self, loaded: LoadedAdapter, protected: Iterable[str]) -> int:
         """Write a validated adapter into its slot, a free one, or the least recently used one not in

@@ -53,40 +53,46 @@ class TokenMapping:
         self.max_num_tokens = max_num_tokens
         self._tokens: Optional[torch.Tensor] = None  # per flattened token (set_token_adapters)
         self._rows: Optional[torch.Tensor] = None  # per batch row (set_request_adapters)
+        self._key: Hashable = None  # what the current mapping was set from (is_current)
         self.warming_up = False
         self.cache = StepCache()
 
-    def _set(self, tokens: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> None:
+    def _set(self, tokens: Optional[torch.Tensor], rows: Optional[torch.Tensor], key: Hashable = None) -> None:
         """The one place the mapping changes, so nothing built from the old one survives it."""
-        self._tokens, self._rows = tokens, rows
+        self._tokens, self._rows, self._key = tokens, rows, key
         self.cache.clear()
 
-    def set_tokens(self, entries, slots: List[Optional[str]]) -> None:
-        indices = to_indices(entries, slots, "set_token_adapters", "token")
+    def is_current(self, key: Hashable) -> bool:
+        """Whether the mapping set with ``key`` (what the caller asked, and the slots it meant) is the current
+        one: setting it again would change nothing, so it costs nothing (as vLLM's ``set_lora_mapping``)."""
+        return key is not None and key == self._key
+
+    def set_tokens(self, indices: torch.Tensor, key: Hashable = None) -> None:
+        """Set one slot per flattened token: host int32 ``indices`` (checked by ``to_indices``)."""
         if len(indices) > self.max_num_tokens:
             raise ValueError(f"set_token_adapters: {len(indices)} tokens exceed max_num_tokens={self.max_num_tokens}")
-        self._set(indices, None)
+        self._set(indices, None, key)
 
-    def set_requests(self, entries, slots: List[Optional[str]]) -> None:
-        indices = to_indices(entries, slots, "set_request_adapters", "row")
+    def set_requests(self, indices: torch.Tensor, key: Hashable = None) -> None:
+        """Set one slot per batch row: host int32 ``indices`` (checked by ``to_indices``)."""
         if not len(indices):
             raise ValueError("set_request_adapters: give one entry per batch row, got none")
         if len(indices) > self.max_num_tokens:
             raise ValueError(f"set_request_adapters: {len(indices)} rows exceed max_num_tokens={self.max_num_tokens}")
-        self._set(None, indices)
+        self._set(None, indices, key)
 
     def forget(self) -> None:
         """Drop the mapping: slot numbers may now mean other adapters, so an old mapping would pick the wrong ones."""
         self._set(None, None)
 
-    def enter_warm_up(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def enter_warm_up(self) -> tuple:
         """Every token on the base model until :meth:`exit_warm_up`; returns the mapping to restore."""
-        saved = self._tokens, self._rows
+        saved = self._tokens, self._rows, self._key
         self._set(None, None)
         self.warming_up = True
         return saved
 
-    def exit_warm_up(self, saved: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]) -> None:
+    def exit_warm_up(self, saved: tuple) -> None:
         self._set(*saved)
         self.warming_up = False
 
@@ -117,6 +123,15 @@ class TokenMapping:
         the mapping does not fit this call.
         """
         real_dims = tuple(int(d) for d in real_dims)
+        self._check_fits(real_dims)
+        rows = self._rows
+        if rows is not None:
+            want = math.prod(real_dims)
+            return rows.repeat_interleave(want // rows.numel()) if want else rows[:0]
+        return self._tokens
+
+    def _check_fits(self, real_dims: Tuple[int, ...]) -> None:
+        """Raise ``UnsupportedMappingError``, naming both sizes, unless the mapping fits token dims ``real_dims``."""
         want = math.prod(real_dims)
         rows = self._rows
         if rows is not None:
@@ -125,13 +140,11 @@ class TokenMapping:
                     f"the request mapping has {rows.numel()} rows but this call has a batch of "
                     f"{real_dims[0] if real_dims else 0} (token dims {list(real_dims)}); call "
                     "set_request_adapters with one entry per batch row")
-            return rows.repeat_interleave(want // rows.numel()) if want else rows[:0]
-        if self._tokens is not None and self._tokens.numel() != want:
+        elif self._tokens is not None and self._tokens.numel() != want:
             raise UnsupportedMappingError(
                 f"the token mapping has {self._tokens.numel()} entries but this call has {want} tokens "
                 f"(token dims {list(real_dims)}); set one entry per flattened token, or one per batch row "
                 "with set_request_adapters")
-        return self._tokens
 
     def check_fits(self, real_dims: Tuple[int, ...]) -> None:
         """Raise as :meth:`token_mapping` does unless the mapping fits a call with token dims ``real_dims``;
@@ -139,7 +152,7 @@ class TokenMapping:
         real_dims = tuple(int(d) for d in real_dims)
 
         def check() -> bool:
-            self.token_mapping(real_dims)  # raises when it does not fit; a raise caches nothing
+            self._check_fits(real_dims)  # a raise caches nothing
             return True
         self.cache.get(("fits", real_dims), check)
 
@@ -206,9 +219,23 @@ class TokenMapping:
                 "rewrite(..., kernel='masked') does the same for a graph rewritten by hand)")
 
         def build():
-            rows = self._padded_grid(real_dims, padded_dims).reshape(-1, padded_dims[-1])[:, 0]
-            return self._full_buffer(rows).to(device)
+            return self._full_buffer(self._padded_rows(real_dims, padded_dims)).to(device)
         return self.cache.get(("row_slots", str(device), tuple(real_dims), tuple(padded_dims)), build)
+
+    def _padded_rows(self, real_dims, padded_dims) -> torch.Tensor:
+        """Host int32 slot of each row (innermost dim) of the padded bucket, flattened, -1 on padding rows.
+
+        A request mapping is padded as rows, never expanded to tokens: each
+        request's slot for the rows of its batch entry.
+        """
+        real_dims, padded_dims = tuple(int(d) for d in real_dims), tuple(int(d) for d in padded_dims)
+        if self._rows is None or len(real_dims) < 2:
+            return self._padded_grid(real_dims, padded_dims).reshape(-1, padded_dims[-1])[:, 0]
+        self._check_fits(real_dims)
+        grid = torch.full(padded_dims[:-1], NO_LORA, dtype=torch.int32)
+        lead = real_dims[:-1]
+        grid[tuple(slice(0, d) for d in lead)] = self._rows.reshape((-1,) + (1,) * (len(lead) - 1)).expand(lead)
+        return grid.reshape(-1)
 
     def step_value(self, key: Hashable, real_dims, padded_dims, build: Callable[[torch.Tensor], object]):
         """``build(grid)`` for this step, cached until the mapping changes: ``grid`` is the padded bucket's
@@ -219,15 +246,20 @@ class TokenMapping:
 
 
 def to_indices(entries: Union[Sequence[TokenAdapter], torch.Tensor], slots: List[Optional[str]], caller: str,
-               unit: str) -> torch.Tensor:
-    """Host int32 slot numbers of ``entries`` (names, slot numbers, None / -1 for base), each checked."""
+               unit: str, loadable: Sequence[str] = ()) -> torch.Tensor:
+    """Host int32 slot numbers of ``entries`` (names, slot numbers, None / -1 for base), each checked.
+
+    ``loadable``: names no slot holds that count as known (the pool can load
+    them); the i-th gets the number ``len(slots) + i``.  A slot number must
+    name a loaded slot.
+    """
     if isinstance(entries, torch.Tensor):
         if entries.dim() != 1 or entries.dtype.is_floating_point or entries.dtype == torch.bool:
             raise TypeError(f"{caller}: expected a 1-d integer tensor, got {entries.dtype} {list(entries.shape)}")
         entries = entries.tolist()
     elif isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence):
         raise TypeError(f"{caller}: expected a sequence with one entry per {unit}, got {entries!r:.80}")
-    names = {name: slot for slot, name in enumerate(slots) if name is not None}
+    names = {name: slot for slot, name in enumerate(list(slots) + list(loadable)) if name is not None}
     out = []
     for pos, entry in enumerate(entries):
         if entry is None:
