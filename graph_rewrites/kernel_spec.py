@@ -14,19 +14,16 @@ and reaches the passes through ``RewriteContext.kernels`` /
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
 from .annotations import STACKED_A, STACKED_A_T, STACKED_B, STACKED_B_T
 
-if TYPE_CHECKING:  # the context holds the kernel specs: a name for the type only
-    from .context import RewriteContext
-
-# (graph, ctx, tokens, flat, n_feature_dims, device) -> the kernel's per-step input nodes for the site, or
-# None when the kernel does not apply to it (the insert point is the caller's).
-SiteInputs = Callable[[fx.Graph, "RewriteContext", fx.Node, fx.Node, int, object], Optional[tuple]]
+# (graph, ctx: the RewriteContext, which holds the specs, tokens, flat, n_feature_dims, device) -> the kernel's
+# per-step input nodes for the site, or None when the kernel does not apply to it (the insert point is the caller's).
+SiteInputs = Callable[[fx.Graph, object, fx.Node, fx.Node, int, object], Optional[tuple]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Issue 12's cases end to end on XLA: exact against PEFT to 1e-4 (fp32), no XLA compile on remap.
+"""Mixed batches on XLA for other target modules, saved heads (modules_to_save) and sequence-classification
+heads: exact against PEFT to 1e-4 (fp32), no XLA compile on remap.
 
 Rows [sql, chat, code, base]; each model built from a tiny config with random weights.
 """

@@ -215,3 +215,28 @@ def test_a_fused_site_is_a_tuple_and_its_a_is_the_members_concatenated(meta):
     assert b is None
     torch.testing.assert_close(a, torch.cat([meta.stacked_a(Q0, "cpu"), meta.stacked_a(V0, "cpu")], dim=1))
     assert meta.stacked_a((Q0, V0), "cpu", transposed=True).shape == (4, 32, 16)
+
+
+def test_an_unchanged_mapping_costs_nothing_and_a_changed_one_is_rebuilt(meta):
+    """The mapping set last, set again, keeps every per-step value built from it (no conversion, no rebuild)."""
+    names = [n for n in meta.slots if n is not None][:2]
+    meta.set_request_adapters(names)
+    slots = meta.row_slots("cpu", (2, 3), (2, 4))
+    meta.set_request_adapters(list(names))
+    assert meta.row_slots("cpu", (2, 3), (2, 4)) is slots
+    meta.set_request_adapters(names[::-1])
+    swapped = meta.row_slots("cpu", (2, 3), (2, 4))
+    assert swapped is not slots and swapped[:2].tolist() == slots[:2].flip(0).tolist()
+    meta.set_token_adapters([names[0]] * 6)  # another kind of mapping with the same names is not the same one
+    assert meta.request_adapters() is None and meta.mapping().tolist() == [meta.slots.index(names[0])] * 6
+
+
+def test_request_rows_are_padded_as_rows(meta):
+    """Row slots of a request mapping over [B, H, S] token dims: each request's slot for its rows, -1 on padding."""
+    a, b = [n for n in meta.slots if n is not None][:2]
+    meta.set_request_adapters([a, None, b])
+    rows = meta.row_slots("cpu", (3, 2, 5), (4, 2, 8))
+    sa, sb = meta.slots.index(a), meta.slots.index(b)
+    assert rows[:8].tolist() == [sa, sa, -1, -1, sb, sb, -1, -1] and (rows[8:] == -1).all()
+    meta.set_token_adapters(meta.token_mapping((3, 2, 5)))  # the same mapping, per token: the token-grid path
+    assert meta.row_slots("cpu", (3, 2, 5), (4, 2, 8)).tolist() == rows.tolist()

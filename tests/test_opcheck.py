@@ -34,7 +34,6 @@ def _samples():
     return {
         "bgmv_shrink": [((x, a, idx, 1.0), {}), ((x, a, idx, 0.5), {})],
         "bgmv_expand": [((xr, b, y, idx, True), {}), ((xr, b, y, idx, False), {})],
-        "bgmv_expand_slice": [((xr, b[:, :3], y, idx, 2, 3, True), {})],
         "bgmv_embedding_shrink": [((ids, emb_a, idx), {})],
         "bgmv_bias": [((y, bias, idx), {})],
         "bgmv_dora": [((y, torch.randn(N, 2, O, generator=g), idx), {})],

@@ -37,16 +37,6 @@ def test_expand_adds_delta_and_leaves_base_rows_unchanged():
     torch.testing.assert_close(delta_only, out - y)
 
 
-def test_expand_slice_writes_only_its_columns():
-    x, a, b, y, idx = _case(O=10)
-    t = torch.ops.xla_lora.bgmv_shrink(x, a, idx)
-    w = b[:, :4]
-    out = torch.ops.xla_lora.bgmv_expand_slice(t, w, y, idx, 3, 4, True)
-    torch.testing.assert_close(out, ops.bgmv_expand_slice_reference(t, w, y, idx, 3, 4, True))
-    assert torch.equal(out[:, :3], y[:, :3]) and torch.equal(out[:, 7:], y[:, 7:])
-    assert not torch.equal(out[:, 3:7], y[:, 3:7])
-
-
 def test_zero_padded_rank_is_exact():
     """An adapter of rank 2 stacked at rank 6 gives the same result as unpadded."""
     x, a, b, y, idx = _case(R=2, N=2)
@@ -72,7 +62,6 @@ def test_fake_impls_give_shapes():
                            torch.empty(5, 10), torch.empty(5, dtype=torch.int32))
         assert torch.ops.xla_lora.bgmv_shrink(x, a, idx).shape == (5, 4)
         assert torch.ops.xla_lora.bgmv_expand(torch.empty(5, 4), b, y, idx).shape == (5, 10)
-        assert torch.ops.xla_lora.bgmv_expand_slice(torch.empty(5, 4), b[:, :4], y, idx, 2, 4).shape == (5, 10)
 
 
 def test_bad_shapes_are_rejected_with_the_dims():

@@ -2,8 +2,8 @@
 
 Every op takes plain tensors: the activations, the per-slot stacked weights
 of one site, and int32 token indices where -1 means "base model only".  The
-ops know nothing of graphs or of the metadata object (DESIGN.md, dependency
-direction), so the graph pass, the tests and users can call them alike.
+ops know nothing of graphs or of the metadata object, so the graph pass,
+the tests and users can call them alike.
 
 Each op has three pieces:
 
@@ -14,7 +14,8 @@ Each op has three pieces:
   slot's columns at once, then a select on the slot.  A per-token weight
   gather (``w[idx]``) materialises a ``[T, O, R]`` tensor and measured 5.7-8.1x
   the base matmul on the XLA CPU device; the masked form keeps every shape
-  static and measured 2.1-2.3x (DESIGN.md, kernel semantics).
+  static and measured 2.1-2.3x (one 512x512 linear, 512 tokens, 16 adapters,
+  r=16, openxla on the CPU).
 """
 from __future__ import annotations
 
@@ -25,10 +26,8 @@ from .common import bgmv_expand_reference, bgmv_shrink_reference, compute_dtype,
 __all__ = [
     "bgmv_shrink",
     "bgmv_expand",
-    "bgmv_expand_slice",
     "bgmv_shrink_reference",
     "bgmv_expand_reference",
-    "bgmv_expand_slice_reference",
     "bgmv_embedding_shrink",
     "bgmv_embedding_shrink_reference",
     "bgmv_bias",
@@ -64,14 +63,6 @@ def _check_2d(name: str, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) ->
 # ---------------------------------------------------------------------------
 
 
-def bgmv_expand_slice_reference(x, w, y, idx, offset: int, size: int, add_inputs: bool = True):
-    """As :func:`bgmv_expand_reference`, into columns ``[offset, offset+size)`` of y."""
-    out = y.clone()
-    cols = out[:, offset : offset + size]
-    out[:, offset : offset + size] = bgmv_expand_reference(x, w, cols, idx, add_inputs)
-    return out
-
-
 # ---------------------------------------------------------------------------
 # The implementations that run (masked: static shapes, no gather).
 # ---------------------------------------------------------------------------
@@ -105,33 +96,6 @@ bgmv_shrink, bgmv_expand = define_kernel_ops("", ("idx",), _check_2d, _masked_sh
                                              transposed=False)
 bgmv_shrink.__doc__ = "``[T, R] = scale * x @ w[idx].T``; zero rows where idx == -1."
 bgmv_expand.__doc__ = "``y + x @ w[idx].T`` (just the delta when add_inputs is False); -1 rows add nothing."
-
-
-@torch.library.custom_op("xla_lora::bgmv_expand_slice", mutates_args=())
-def bgmv_expand_slice(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    y: torch.Tensor,
-    idx: torch.Tensor,
-    offset: int,
-    size: int,
-    add_inputs: bool = True,
-) -> torch.Tensor:
-    """As ``bgmv_expand``, into columns ``[offset, offset + size)`` of y."""
-    _check_2d("bgmv_expand_slice", x, w, idx)
-    torch._check(w.shape[1] == size, lambda: f"bgmv_expand_slice: w has {w.shape[1]} rows, size is {size}")
-    torch._check(offset + size <= y.shape[1], lambda: f"bgmv_expand_slice: [{offset}, {offset + size}) past {y.shape[1]}")
-    delta = _masked_expand_delta(x, w, idx).to(y.dtype)
-    cols = y.narrow(1, offset, size)
-    new_cols = cols + delta if add_inputs else delta
-    # Functional: build the result from pieces instead of writing into y.
-    return torch.cat([y.narrow(1, 0, offset), new_cols, y.narrow(1, offset + size, y.shape[1] - offset - size)], dim=1)
-
-
-@bgmv_expand_slice.register_fake
-def _bgmv_expand_slice_fake(x, w, y, idx, offset, size, add_inputs=True):
-    _check_2d("bgmv_expand_slice", x, w, idx)
-    return torch.empty_like(y)
 
 
 # ---------------------------------------------------------------------------

@@ -44,8 +44,9 @@ class MappingFacade:
         then set it.  The mapping set last, asked again, returns at once.  Refused after a swap, the old mapping
         goes too."""
         slots = list(self._adapters.slots)
-        key = (unit, _entries_key(mapping), tuple(slots))
-        if self._tokens.is_current(key):
+        entries = _entries_key(mapping)
+        key = (unit, entries, tuple(slots))
+        if entries is not None and self._tokens.is_current(key):
             return
         try:
             indices = self._pool.slots_for(mapping, caller, unit)
@@ -98,8 +99,11 @@ class MappingFacade:
     step_value = _forward("_tokens", TokenMapping.step_value)
 
 
-def _entries_key(mapping) -> tuple:
-    """What a mapping asked for, comparable with the next one's (a tensor by its values)."""
+def _entries_key(mapping) -> Optional[tuple]:
+    """What a mapping asked for, comparable with the next one's (a tensor by its values); None for what is no
+    mapping at all (the checks refuse it)."""
     if isinstance(mapping, torch.Tensor):
-        return ("tensor", tuple(mapping.tolist()))
-    return tuple(mapping) if isinstance(mapping, Sequence) and not isinstance(mapping, (str, bytes)) else (mapping,)
+        return ("tensor", str(mapping.dtype), tuple(mapping.shape), tuple(mapping.reshape(-1).tolist()))
+    if isinstance(mapping, Sequence) and not isinstance(mapping, (str, bytes)):
+        return tuple(mapping)
+    return None
