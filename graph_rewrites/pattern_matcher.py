@@ -59,7 +59,7 @@ Replacement = Callable[[fx.Graph, LinearMatch, RewriteContext], Tuple[Optional[f
 
 @dataclasses.dataclass(frozen=True)
 class Pattern:
-    """A declared pattern: its name (report, ``config.passes``), search forms, check and replacement."""
+    """A declared pattern: its name (report, and the caller's ``enabled`` switches), search forms, check and replacement."""
 
     name: str
     search_forms: Tuple[Callable, ...]  # example functions; their argument names bind the match

@@ -171,7 +171,7 @@ def site_segment_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, f
     layout's (a row selection keeps the token indices).  Any layout, flat
     ``[T]`` included: blocks run over the flattened tokens.  The inputs are
     fixed-size buffers the graph narrows to ``ceil(T / block_tokens)`` blocks
-    and T tokens (``ops_segments.segment_blocks``).
+    and T tokens (``xla_lora_pass/kernels/segments.py``, ``segment_blocks``).
     """
     if not _on_token_layout(ctx, tokens, n_feature_dims):
         return None
@@ -197,7 +197,7 @@ def site_sorted_layout(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, fl
 
     Any layout, flat ``[T]`` included.  The inputs are fixed-size buffers
     the graph narrows to ``NB = (T + G * (BS - 1)) // BS`` blocks for G =
-    ``ctx.num_slots + 1`` groups (``ops_sorted.sorted_blocks``) and T tokens.
+    ``ctx.num_slots + 1`` groups (``xla_lora_pass/kernels/sorted_tokens.py``, ``sorted_blocks``) and T tokens.
     """
     if not _on_token_layout(ctx, tokens, n_feature_dims):
         return None

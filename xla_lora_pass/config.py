@@ -58,7 +58,7 @@ row_kernel_min_tokens = 1
 
 # The segment kernel (kernels/segments.py): tokens per block, and slots (passes) per block.  With 2 passes every
 # segment of at least segment_block_tokens tokens fits at any offset; a mapping with more slots in some block
-# runs the masked kernel.  Blocks of 32 with 2 passes measured the row kernel's cost on one linear (16
+# runs the sorted kernel (the masked one in small buckets).  Blocks of 32 with 2 passes measured the row kernel's cost on one linear (16
 # segments of 32 tokens; docs/benchmarks.md).
 segment_block_tokens = 32
 segment_slots_per_block = 2

@@ -14,7 +14,7 @@ expand becomes
 
     y = bgmv_expand(bgmv_shrink(x2d, stacked_A, idx), stacked_B, y2d, idx)
 
-the same shrink/expand patterns 1 and 2 emit (the rewrite's kernel, ``kernels.emit_lora_delta``),
+the same shrink/expand patterns 1 and 2 emit (the rewrite's kernel, ``emit.emit_lora_delta``),
 so every slot's adapter is served at every site whatever adapter is active.
 Exact for every mapping: slots whose adapter is absent at the site have zero
 stacks, -1 adds nothing, and the base op is untouched.

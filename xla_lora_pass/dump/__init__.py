@@ -4,7 +4,7 @@ Two users:
 
 * the backend calls :func:`dump_graphs` for every graph Dynamo hands it: the
   graphs and report go to the structured trace (``TORCH_TRACE``, read by
-  tlparse) as artifacts, and, with ``config.dump_dir`` set, into a new
+  tlparse) as artifacts, and, with the settings' ``dump_dir`` set, into a new
   folder per compile;
 * ``xla-lora-dump`` / ``python -m xla_lora_pass.dump`` (``cli.py``) builds a
   model from a ``MODULE:FACTORY``, captures its Dynamo graphs, rewrites them

@@ -1,7 +1,7 @@
 """What every BGMV kernel's ops share: the compute dtype and the registration of a shrink/expand pair.
 
 Every kernel is a pair of ``torch.ops.xla_lora`` custom ops with one calling
-convention, which the graph pass relies on (``graph_rewrites.kernels``):
+convention, which the graph pass relies on (``graph_rewrites.kernel_spec`` and ``graph_rewrites.emit``):
 
 * ``bgmv_shrink<suffix>(x [T, D], w, *inputs, scale=1.0) -> [T, R]``
 * ``bgmv_expand<suffix>(x [T, R], w, y [T, O], *inputs, add_inputs=True) -> [T, O]``

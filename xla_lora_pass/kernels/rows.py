@@ -1,11 +1,11 @@
 """Row BGMV: one adapter per row of the token grid (each request on its own adapter).
 
 The same semantics as ``bgmv_shrink`` / ``bgmv_expand`` in
-:mod:`xla_lora_pass.ops` for a mapping that is constant along each row of the
+:mod:`xla_lora_pass.kernels.masked` for a mapping that is constant along each row of the
 graph's ``[B, S]`` token layout, which is how multi-LoRA serving and PEFT's
 ``adapter_names=`` assign adapters: per request.  Registered as
 ``torch.ops.xla_lora.bgmv_*_rows``; the graph pass emits them when
-``config.kernel`` is ``"auto"`` (the default; the kernel table's first entry), and the backend
+the setting ``kernel`` is ``"auto"`` (the default; the kernel table's first entry), and the backend
 runs them only for mappings that are constant per row (``LoRAMetadata.rows_uniform``).
 
 The tokens are ``T = B * L`` rows of x, row b holding tokens ``[b*L, (b+1)*L)``;

@@ -1,7 +1,7 @@
 """Segment BGMV: packed batches, requests as contiguous segments of one flat token row.
 
 The same semantics as ``bgmv_shrink`` / ``bgmv_expand`` in
-:mod:`xla_lora_pass.ops`, registered as ``torch.ops.xla_lora.bgmv_*_segments``,
+:mod:`xla_lora_pass.kernels.masked`, registered as ``torch.ops.xla_lora.bgmv_*_segments``,
 for a mapping where each block of consecutive tokens uses at most K slots: a
 packed batch (vLLM's ``[T, H]``, or a ``[1, T]`` row holding several
 requests), whose requests are segments of at least one block each.

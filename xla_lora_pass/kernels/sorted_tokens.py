@@ -1,7 +1,7 @@
 """Sorted BGMV: any token mapping, the tokens ordered by slot on the host into blocks of one slot each.
 
 The same semantics as ``bgmv_shrink`` / ``bgmv_expand`` in
-:mod:`xla_lora_pass.ops`, registered as ``torch.ops.xla_lora.bgmv_*_sorted``,
+:mod:`xla_lora_pass.kernels.masked`, registered as ``torch.ops.xla_lora.bgmv_*_sorted``,
 for ANY mapping (a random per-token mix, short segments, base-model tokens),
 at about the LoRA's own FLOPs instead of the masked kernel's N times them:
 Punica's SGMV idea, laid out the way vLLM's ``LoRAKernelMeta`` sorts tokens
