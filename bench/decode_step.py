@@ -2,7 +2,7 @@
 
     python bench/decode_step.py --adapters 16 --batch 1,8,32 [--reps 5] [--steps 4] [--prompt 128]
 
-One process per adapter count (``bench/run.py --decode`` starts them): the
+One process per adapter count (``bench/run.py`` starts them): the
 model of ``bench/step_time.py`` (hidden 512, intermediate 1408, 4 layers,
 8 heads, vocab 4096, random weights, fp32) with N PEFT adapters on every
 linear of the decoder layers (r=16).  B sequences, sequence i on adapter
@@ -18,9 +18,10 @@ Configurations, each with its own model copy and cache:
 
 * ``base, openxla``: the model with no LoRA, ``torch.compile(backend="openxla")``: every ratio's denominator.
 * ``xla_lora``: this backend, default kernel, the mapping set per call (one adapter per row).
-* ``xla_lora, masked kernel`` (``--masked``, decode only): the same with ``config.kernel = "masked"``.
-* ``xla_lora, row kernel from 1 token`` (``--rows``): ``config.row_kernel_min_tokens = 1`` (the default
-  now; the setting that compared the two kernels at decode when the default was 2).
+* ``xla_lora, masked kernel`` (``--masked``, decode only): the same, its backend made with
+  ``config.snapshot(kernel="masked")``.
+* ``xla_lora, row kernel from 1 token`` (``--rows``): ``row_kernel_min_tokens=1`` (the default now; the
+  setting that compared the two kernels at decode when the default was 2).
 * ``PEFT openxla, one adapter`` (``--peft``): the PEFT model compiled with plain ``openxla``, every row on
   adapter 0 (``set_adapter``): what compiling PEFT costs without this backend, for one adapter only.
 * ``xla_lora, tensor guards only`` (``--guards``): a diagnostic, not a way to serve: this backend with
@@ -31,7 +32,7 @@ Configurations, each with its own model copy and cache:
   prefill's program and returns every position's logits).
 * ``xla_lora, no fold_linear_inputs`` (``--no-fold``): the pass that gives a linear whose input
   ``matmul`` cannot fold (the prompt step's last-position ``lm_head``; ``o_proj`` on decode's ``[B, 1, H]``
-  attention output) a contiguous input switched off (``config.passes``), as before it existed.
+  attention output) a contiguous input switched off (the backend's ``passes``), as before it existed.
 
 A full greedy ``generate`` of ``--generate`` new tokens (default 32) is timed too, base against
 xla_lora (PEFT's ``generate(adapter_names=...)`` on the registered model), as tokens per second.
@@ -51,6 +52,7 @@ import time
 import _common  # noqa: F401  (sets PJRT_DEVICE before torch_xla loads)
 import torch
 from _common import xla_compile_stats
+from _decode_stream import Stream, eager_decode_reference, static_cache
 from _timing import emit, ratios, time_interleaved
 from step_time import VOCAB, build_models
 
@@ -58,60 +60,6 @@ from step_time import VOCAB, build_models
 PEFT_ONE = "PEFT openxla, one adapter"
 PLAIN_OPENXLA = ("base, openxla", PEFT_ONE)
 GUARDS = "xla_lora, tensor guards only"
-
-
-def _static_cache(model, max_len: int, batch: int = 1):
-    from xla_lora_pass.serving.static_cache import static_cache
-
-    return static_cache(model.config, max_len, batch)
-
-
-class Stream:
-    """One configuration's model, cache and next cache position: prefill, then one decode step per call."""
-
-    def __init__(self, model, prompt_ids, decode_ids, max_len: int):
-        self.model, self.prompt_ids, self.decode_ids, self.max_len = model, prompt_ids, decode_ids, max_len
-        self.cache, self.pos = None, None
-        self.device = prompt_ids.device
-
-    @torch.no_grad()
-    def prefill(self, logits_to_keep: int = 0):
-        """A fresh cache filled with the prompt; returns the logits on the CPU (of the last ``logits_to_keep``
-        positions, 0: all)."""
-        if self.cache is None:
-            self.cache = _static_cache(self.model, self.max_len, self.prompt_ids.shape[0])
-        else:
-            self.cache.reset()  # transformers 5's StaticLayer writes at its own count: reset before reuse
-        s = self.prompt_ids.shape[1]
-        out = self.model(input_ids=self.prompt_ids, past_key_values=self.cache, use_cache=True,
-                         cache_position=torch.arange(s, device=self.device), logits_to_keep=logits_to_keep)
-        self.pos = s
-        return out.logits.cpu()
-
-    def prompt(self):
-        """The prefill as generate's prompt step runs it: the last position's logits only."""
-        return self.prefill(logits_to_keep=1)
-
-    @torch.no_grad()
-    def decode(self):
-        """One [B, 1] step at the next position; returns the logits on the CPU."""
-        if self.pos is None or self.pos >= self.max_len:
-            self.prefill()
-        out = self.model(input_ids=self.decode_ids, past_key_values=self.cache, use_cache=True,
-                         cache_position=torch.tensor([self.pos], device=self.device))
-        self.pos += 1
-        return out.logits.cpu()
-
-
-def _eager_decode_reference(peft_cpu, prompt, step_ids, rows, max_len):
-    """Eager PEFT's mixed batch (``adapter_names=``): the logits of the first decode step after the prompt."""
-    names = ["__base__" if a is None else a for a in rows]
-    cache = _static_cache(peft_cpu, max_len, prompt.shape[0])
-    with torch.no_grad():
-        peft_cpu(input_ids=prompt, past_key_values=cache, use_cache=True, adapter_names=names,
-                 cache_position=torch.arange(prompt.shape[1]))
-        return peft_cpu(input_ids=step_ids, past_key_values=cache, use_cache=True, adapter_names=names,
-                        cache_position=torch.tensor([prompt.shape[1]])).logits
 
 
 def _time_generate(args, configs, base_cpu, prompt, rows, dev):
@@ -136,7 +84,7 @@ def _time_generate(args, configs, base_cpu, prompt, rows, dev):
     def gen_base():
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             out = base.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                past_key_values=_static_cache(base, cache_len, batch))
+                                past_key_values=static_cache(base, cache_len, batch))
         assert out.shape[1] == prompt.shape[1] + new
         return out.cpu()
 
@@ -196,9 +144,9 @@ def main(argv=None) -> int:
         model = copy.deepcopy(peft_cpu).to(dev)
         meta = xlp.LoRAMetadata(max_num_tokens=max(batches) * args.prompt)
         meta.register_adapters(model)
-        backend = xlp.make_backend(meta)
+        backend = xlp.make_backend(meta, settings=xlp.config.snapshot(**settings))  # this backend's own
         return dict(model=torch.compile(model, backend=backend, options=compile_options), meta=meta,
-                    settings=settings, raw=model, backend=backend)
+                    raw=model, backend=backend)
 
     configs = {"base, openxla": dict(model=torch.compile(copy.deepcopy(base_cpu).to(dev), backend="openxla"))}
     configs["xla_lora"] = lora_config()
@@ -230,23 +178,14 @@ def main(argv=None) -> int:
             streams[name] = Stream(cfg["model"], prompt.to(dev), step_ids.to(dev), max_len)
 
         def run(name, phase):
-            # config is read when a graph is rewritten and at every call: patched around both.
-            settings = configs[name].get("settings", {})
-            saved = {k: getattr(xlp.config, k) for k in settings}
-            for k, v in settings.items():
-                setattr(xlp.config, k, v)
-            try:
-                if name in PLAIN_OPENXLA:  # torch_xla's own setting for plain openxla
-                    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-                        return getattr(streams[name], phase)()
-                return getattr(streams[name], phase)()
-            finally:
-                for k, v in saved.items():
-                    setattr(xlp.config, k, v)
+            if name in PLAIN_OPENXLA:  # torch_xla's own setting for plain openxla
+                with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                    return getattr(streams[name], phase)()
+            return getattr(streams[name], phase)()
 
         warm, errors = {}, {}
-        want = _eager_decode_reference(peft_cpu, prompt, step_ids, rows, max_len)
-        want_one = (_eager_decode_reference(peft_cpu, prompt, step_ids, [names[0]] * batch, max_len)
+        want = eager_decode_reference(peft_cpu, prompt, step_ids, rows, max_len)
+        want_one = (eager_decode_reference(peft_cpu, prompt, step_ids, [names[0]] * batch, max_len)
                     if args.peft else None)
         for name in configs:
             c0, s0 = xla_compile_stats()
@@ -299,7 +238,7 @@ def main(argv=None) -> int:
               + (" | prompt step " + ", ".join(f"{k}={v:.3f}" for k, v in qmed.items()) if qmed else "")
               + f" | base decode {sorted(decode['base, openxla'])[args.reps // 2] * 1e3:.1f} ms"
               + f" | compiles while timed {compiles_timed}"
-              + (f" | generate tokens/s " + ", ".join(f"{k}={v:.1f}" for k, v in generate["tokens_per_s"].items())
+              + (" | generate tokens/s " + ", ".join(f"{k}={v:.1f}" for k, v in generate["tokens_per_s"].items())
                  if generate else ""), flush=True)
     emit(dict(adapters=n, results=results))
     return 0

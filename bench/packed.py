@@ -16,8 +16,9 @@ and warmed up first, every step ends with ``logits.cpu()``):
   ``config.segment_block_tokens`` tokens uses at most ``config.segment_slots_per_block`` adapters, else
   the sorted kernel (the table says which ran).
 * ``random per-token mix``: every token on a random adapter of N: the sorted kernel.
-* ``random per-token mix, masked kernel``: the same mappings through a second copy of the model compiled
-  with ``config.kernel = "masked"`` (what "auto" ran before the sorted kernel), side by side.
+* ``random per-token mix, masked kernel``: the same mappings through a second copy of the model whose
+  backend is made with ``config.snapshot(kernel="masked")`` (what "auto" ran before the sorted kernel),
+  side by side.
 
 Before timing, each configuration's logits are checked against a per-token
 eager reference on the CPU (``demo_models.per_token_reference``: the base model
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-from unittest import mock
 
 import _common  # noqa: F401  (sets PJRT_DEVICE before torch_xla loads)
 import torch
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
         masked_meta = xlp.LoRAMetadata(max_num_tokens=max(tokens))
         masked_model = copy.deepcopy(peft_cpu).to(dev)
         masked_meta.register_adapters(masked_model)
-        masked = torch.compile(masked_model, backend=xlp.make_backend(masked_meta))
+        masked = torch.compile(masked_model, backend=xlp.make_backend(
+            masked_meta, settings=xlp.config.snapshot(kernel="masked")))
 
     print(f"load (uptime): {os.getloadavg()}", flush=True)
     for t in tokens:
@@ -103,22 +104,21 @@ def main(argv=None) -> int:
         def step_base():
             c_base(input_ids=ids_dev).logits.cpu()
 
-        def step(mappings, model=ours, meta=meta, kernel="auto"):
+        def step(mappings, model=ours, meta=meta):
             turn = [0]
 
             @torch.no_grad()
             def call(mapping=None):
                 turn[0] += 1
                 meta.set_token_adapters(mapping if mapping is not None else mappings[turn[0] % 2])
-                with mock.patch.object(xlp.config, "kernel", kernel):  # read when Dynamo hands over a graph
-                    return model(input_ids=ids_dev).logits.cpu()
+                return model(input_ids=ids_dev).logits.cpu()
             return call
 
         fns = {"base": static(step_base)}
         fns.update({name: step(maps) for name, maps in configs.items()})
         if not args.no_masked:
             configs[MASKED_MIX] = configs["random per-token mix"]
-            fns[MASKED_MIX] = step(configs[MASKED_MIX], masked, masked_meta, "masked")
+            fns[MASKED_MIX] = step(configs[MASKED_MIX], masked, masked_meta)
         kernels, errors = {}, {}
         for name, fn in fns.items():
             for _ in range(3):
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
             elif name in configs:
                 graph = next(g for g in reversed(backend.graphs) if g.source is not None)
                 meta.set_token_adapters(configs[name][0])
-                kernels[name] = _kernel_name(graph, meta, t)
+                kernels[name] = _kernel_name(backend, graph, t)
             if name in configs:
                 if not args.no_check:
                     got = fn(configs[name][0])
@@ -146,9 +146,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _kernel_name(graph, meta, tokens: int) -> str:
-    """The kernel the backend picks for the current mapping of a [1, tokens] call."""
-    padded = (1, graph.backend.buckets.pad(tokens))
+def _kernel_name(backend, graph, tokens: int) -> str:
+    """The kernel ``backend`` picks for the current mapping of a [1, tokens] call of ``graph``."""
+    padded = (1, backend.buckets.pad(tokens))
     from xla_lora_pass.kernels.table import FALLBACK
 
     return next(iter(graph.graph_for_call((1, tokens), padded).kernels), FALLBACK)

@@ -168,8 +168,8 @@ def main() -> None:
     print(f"model: Llama hidden {HIDDEN}, intermediate {INTERMEDIATE}, {LAYERS} layers, {ADAPTERS} adapters r={RANK} "
           f"on q/k/v/o/gate/up/down; batch {BATCH}x{SEQ} tokens, one adapter per sequence; median of "
           f"{args.rounds} processes x {args.steps} steps\n")
-    print(markdown_table(["config", "ms / step", "range over rounds", "vs same kind on 1 dev", "vs base on same devices",
-                          "adapter MiB per device / whole"], rows))
+    print(markdown_table(["config", "ms / step", "range over rounds", "vs same kind on 1 dev",
+                          "vs base on same devices", "adapter MiB per device / whole"], rows))
 
 
 if __name__ == "__main__":

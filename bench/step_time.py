@@ -15,7 +15,7 @@ steady state (compiled and warmed up first; every step ends with
 * ``xla_lora``: this backend with its default kernel ("auto": the row kernel, since every sequence is
   on one adapter), ``meta.set_token_adapters`` every step, alternating between two mappings (sequence i
   on adapter i mod N, then on i+1 mod N) so each step pays for a new mapping;
-  ``xla_lora, masked kernel``: the same with ``config.kernel = "masked"``;
+  ``xla_lora, masked kernel``: the same, its backend made with ``config.snapshot(kernel="masked")``;
   ``xla_lora, mixed within sequences``: the default backend with a mapping that changes adapter on
   every token (token j of sequence i on adapter (i + j) mod N), which the row kernel cannot run: the
   backend runs another rewrite of the same graph (the sorted kernel's where it fits, else the masked one).
@@ -103,11 +103,12 @@ def main(argv=None) -> int:
     meta = xlp.LoRAMetadata(max_num_tokens=max(tokens))
     meta.register_adapters(ours_model)
     ours = torch.compile(ours_model, backend=xlp.make_backend(meta))
-    # The same backend with the masked kernel (config.kernel is read when a graph is rewritten).
+    # The same backend with the masked kernel (the settings are the backend's own, fixed when it is made).
     masked_model = copy.deepcopy(peft_cpu).to(dev)
     meta_masked = xlp.LoRAMetadata(max_num_tokens=max(tokens))
     meta_masked.register_adapters(masked_model)
-    ours_masked = torch.compile(masked_model, backend=xlp.make_backend(meta_masked))
+    ours_masked = torch.compile(masked_model, backend=xlp.make_backend(
+        meta_masked, settings=xlp.config.snapshot(kernel="masked")))
     c_base = torch.compile(base_xla, backend="openxla")
     c_merged = torch.compile(merged_xla, backend="openxla")
     c_loop = torch.compile(loop_model, backend="openxla")
@@ -156,11 +157,7 @@ def main(argv=None) -> int:
         def step_ours_masked(fixed=None):
             turn[0] += 1
             meta_masked.set_token_adapters(fixed if fixed is not None else mappings[turn[0] % 2])
-            saved, xlp.config.kernel = xlp.config.kernel, "masked"
-            try:
-                return ours_masked(input_ids=ids_dev).logits.cpu()
-            finally:
-                xlp.config.kernel = saved
+            return ours_masked(input_ids=ids_dev).logits.cpu()
 
         @torch.no_grad()
         def step_loop():
