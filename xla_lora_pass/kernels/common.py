@@ -22,7 +22,14 @@ __all__ = ["compute_dtype", "define_kernel_ops", "bgmv_shrink_reference", "bgmv_
 
 # Reference implementations: per-token gather, the definition of every kernel's shrink and expand.
 def bgmv_shrink_reference(x, w, idx, scale: float = 1.0):
-    """``[T, R] = scale * x @ w[idx].T``; rows with idx == -1 are zero."""
+    """The definition of every kernel's shrink: x ``[T, D]``, w ``[N, R, D]``, idx ``[T]`` int32 -> ``[T, R]``::
+
+        for t in range(T):
+            s = idx[t]
+            out[t] = scale * (w[s] @ x[t]) if s >= 0 else 0      # w[s]: [R, D]
+
+    computed in w's dtype, returned in x's.
+    """
     valid = idx >= 0
     wt = w[idx.clamp(min=0).long()]  # [T, R, D]
     out = torch.einsum("td,trd->tr", x.to(w.dtype), wt) * scale
@@ -30,7 +37,15 @@ def bgmv_shrink_reference(x, w, idx, scale: float = 1.0):
 
 
 def bgmv_expand_reference(x, w, y, idx, add_inputs: bool = True):
-    """``y + x @ w[idx].T``; rows with idx == -1 get nothing added."""
+    """The definition of every kernel's expand: x ``[T, R]``, w ``[N, O, R]``, y ``[T, O]`` -> ``[T, O]``::
+
+        for t in range(T):
+            s = idx[t]
+            delta = w[s] @ x[t] if s >= 0 else 0                 # w[s]: [O, R]
+            out[t] = y[t] + delta if add_inputs else delta
+
+    so a row with idx == -1 is y's row unchanged (zero without add_inputs).
+    """
     valid = idx >= 0
     wt = w[idx.clamp(min=0).long()]  # [T, O, R]
     delta = torch.einsum("tr,tor->to", x.to(w.dtype), wt)
@@ -38,7 +53,6 @@ def bgmv_expand_reference(x, w, y, idx, add_inputs: bool = True):
     if y is None or not add_inputs:
         return delta.to(x.dtype if y is None else y.dtype)
     return y + delta.to(y.dtype)
-
 
 
 def compute_dtype(w: torch.Tensor) -> torch.dtype:

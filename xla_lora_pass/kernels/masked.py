@@ -94,8 +94,8 @@ def _masked_expand_delta(x, w, idx):
 # The masked kernel: ``w`` is ``[N, out, in]`` (A ``[N, R, D]``, B ``[N, O, R]``), ``idx`` one slot per token.
 bgmv_shrink, bgmv_expand = define_kernel_ops("", ("idx",), _check_2d, _masked_shrink, _masked_expand_delta,
                                              transposed=False)
-bgmv_shrink.__doc__ = "``[T, R] = scale * x @ w[idx].T``; zero rows where idx == -1."
-bgmv_expand.__doc__ = "``y + x @ w[idx].T`` (just the delta when add_inputs is False); -1 rows add nothing."
+bgmv_shrink.__doc__ = "``common.bgmv_shrink_reference(x, w, idx, scale)``: ``scale * w[idx[t]] @ x[t]``, 0 for -1."
+bgmv_expand.__doc__ = "``common.bgmv_expand_reference(x, w, y, idx, add_inputs)``: ``y[t] + w[idx[t]] @ x[t]``."
 
 
 # ---------------------------------------------------------------------------
@@ -104,14 +104,20 @@ bgmv_expand.__doc__ = "``y + x @ w[idx].T`` (just the delta when add_inputs is F
 
 
 def bgmv_embedding_shrink_reference(ids, w, idx):
-    """``[T, R]`` = column ``ids[t]`` of slot ``idx[t]``'s A ``[R, V]``; zero rows where idx == -1."""
+    """ids ``[T]``, w ``[N, R, V]`` (embedding A), idx ``[T]`` -> ``[T, R]``::
+
+        out[t] = w[idx[t], :, ids[t]] if idx[t] >= 0 else 0
+    """
     valid = idx >= 0
     rows = w[idx.clamp(min=0).long(), :, ids.long()]  # [T, R]
     return torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
 
 
 def bgmv_bias_reference(y, bias, idx):
-    """``y + bias[idx]``; rows with idx == -1 unchanged."""
+    """y ``[T, O]``, bias ``[N, O]`` (scaled) -> ``[T, O]``::
+
+        out[t] = y[t] + bias[idx[t]] if idx[t] >= 0 else y[t]
+    """
     valid = idx >= 0
     rows = bias[idx.clamp(min=0).long()].to(y.dtype)
     return y + torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
@@ -154,7 +160,9 @@ def _bgmv_bias_fake(y, bias, idx):
 
 
 def bgmv_dora_reference(y, dora, idx):
-    """``y * (1 + dora[idx, 0]) - dora[idx, 1]``; rows with idx == -1 unchanged.
+    """y ``[T, O]``, dora ``[N, 2, O]`` -> ``[T, O]``::
+
+        out[t] = y[t] * (1 + dora[idx[t], 0]) - dora[idx[t], 1] if idx[t] >= 0 else y[t]
 
     ``dora[k] = (m/||W + s B A|| - 1, (m/||W + s B A|| - 1) * base bias)`` for a
     DoRA slot, zeros for any other: with ``y`` = base output + LoRA delta, a

@@ -9,7 +9,13 @@ the setting ``kernel`` is ``"auto"`` (the default; the kernel table's first entr
 runs them only for mappings that are constant per row (``LoRAMetadata.rows_uniform``).
 
 The tokens are ``T = B * L`` rows of x, row b holding tokens ``[b*L, (b+1)*L)``;
-``row_slots[b]`` is row b's slot or -1.  The weights come with their last two
+``row_slots[b]`` is row b's slot or -1.  Semantics, against the references in
+common.py (w_t^T: ``w_t.transpose(1, 2)``, the stack in the references' layout)::
+
+    idx[t] = row_slots[t // L]                               # L = T // B
+    bgmv_shrink_rows(x, w_t, row_slots, scale) == bgmv_shrink_reference(x, w_t^T, idx, scale)
+    bgmv_expand_rows(x, w_t, y, row_slots, add) == bgmv_expand_reference(x, w_t^T, y, idx, add)
+  The weights come with their last two
 dims swapped against the other ops (A ``[N, D, R]``, B ``[N, R, O]``:
 ``LoRAMetadata.stacked_a(site, device, transposed=True)``), so each batched
 matmul reads the gathered slots in the layout it multiplies in; on one site

@@ -10,7 +10,14 @@ The tokens are cut into ``NB`` blocks of ``BS`` consecutive tokens (a reshape,
 no token is moved).  The host gives each block K slots (``block_slots``
 ``[NB, K]``, the slots its tokens use, in order of first use) and each token
 the pass it takes (``pick`` ``[T]``: 0..K-1, or -1 for a token on the base
-model).  On the device, per site, each block multiplies its tokens by its K
+model).  Semantics, against the references in common.py
+(``segment_token_indices``; w_t^T: ``w_t.transpose(1, 2)``)::
+
+    idx[t] = block_slots[t // BS, pick[t]] if pick[t] >= 0 else -1
+    bgmv_shrink_segments(x, w_t, block_slots, pick, scale) == bgmv_shrink_reference(x, w_t^T, idx, scale)
+    bgmv_expand_segments(x, w_t, y, block_slots, pick, add) == bgmv_expand_reference(x, w_t^T, y, idx, add)
+
+On the device, per site, each block multiplies its tokens by its K
 slots' weights in one batched matmul over K*R columns and keeps each token's
 own R columns; the expand spreads each token's R values into its pass's
 columns and multiplies by the K slots' B stacked along the rank.  K = 2 covers

@@ -16,6 +16,13 @@ slot.  Three int32 tensors describe it:
 * ``block_slots`` ``[NB']``: each block's slot, -1 for the base group and for unused blocks;
 * ``inverse`` ``[T]``: each token's sorted row.
 
+Semantics, against the references in common.py (``sorted_token_indices``;
+w_t^T: ``w_t.transpose(1, 2)``)::
+
+    idx[t] = block_slots[inverse[t] // BS]
+    bgmv_shrink_sorted(x, w_t, gather, block_slots, inverse, scale) == bgmv_shrink_reference(x, w_t^T, idx, scale)
+    bgmv_expand_sorted(x, w_t, y, gather, block_slots, inverse, add) == bgmv_expand_reference(x, w_t^T, y, idx, add)
+
 With G groups at most (the slots and the base), the groups fill at most
 ``NB' = (T + G * (BS - 1)) // BS`` blocks (``sorted_blocks``): a size that
 depends on the bucket and the slot count alone, so a new mapping within a
