@@ -21,10 +21,10 @@ from graph_rewrites.fx_values import size_expr
 from graph_rewrites.site_inputs import find_token_layout
 
 from ..config import Settings
-from ..shapes.bucketing import Buckets, GraphShapes, evaluate
 from ..errors import UnsupportedMappingError
 from ..kernels.table import AUTO, FALLBACK, FIRST, GraphInputs, choose, kernels_run
 from ..metadata import NO_LORA, LoRAMetadata
+from ..shapes.bucketing import Buckets, GraphShapes, evaluate
 from .rewrite import copy_graph_module
 
 log = logging.getLogger(__name__)
@@ -160,8 +160,8 @@ class CompiledLoRAGraph:
             return self
         if warming is not None:
             # What a call from that kernel on runs: a bucket the kernel does not fit warms the one it falls to.
-            return self.variant(choose(self.meta, requests_of, token_dims, padded_dims, self.context.settings,
-                                               start=warming))
+            return self.variant(
+                choose(self.meta, requests_of, token_dims, padded_dims, self.context.settings, start=warming))
         if self.meta.is_warming_up:
             return self  # warming without a named kernel (precompile_generate) warms "auto"'s own programs
         return self.variant(choose(self.meta, requests_of, token_dims, padded_dims, self.context.settings))
@@ -231,7 +231,6 @@ class CompiledLoRAGraph:
         self.programs[key] = program
         self.meta.count("compiles")
         return program
-
 
 
 def _computes(adapter: Optional[str]) -> str:

@@ -21,9 +21,9 @@ from ..serving import ModelServing
 from ..serving.generate import warm_generate
 from ..shapes import Buckets
 from . import symbolic_layer_norm
-from .xla_cpu_flags import CPU_SCHEDULER_STATUS
 from .compiled_graph import CompiledLoRAGraph, GraphContext
 from .rewrite import rewrite
+from .xla_cpu_flags import CPU_SCHEDULER_STATUS
 
 log = logging.getLogger(__name__)
 
