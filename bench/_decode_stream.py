@@ -6,10 +6,12 @@ import torch
 
 
 def static_cache(model, max_len: int, batch: int = 1):
-    """HF's ``StaticCache`` of ``max_len`` positions for ``batch`` rows of ``model``."""
+    """HF's ``StaticCache`` of ``max_len`` positions for ``batch`` rows of ``model``, allocated on the model's
+    device at once (transformers 5 otherwise keeps a host tensor until the first update, inside the program)."""
     from xla_lora_pass.serving.static_cache import static_cache as make
 
-    return make(model.config, max_len, batch)
+    weight = next(model.parameters())
+    return make(model.config, max_len, batch, weight.dtype, weight.device)
 
 
 class Stream:
