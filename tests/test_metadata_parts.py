@@ -222,8 +222,10 @@ def test_an_unchanged_mapping_costs_nothing_and_a_changed_one_is_rebuilt(meta):
     names = [n for n in meta.slots if n is not None][:2]
     meta.set_request_adapters(names)
     slots = meta.row_slots("cpu", (2, 3), (2, 4))
+    hits = meta.stats["slot_hits"]
     meta.set_request_adapters(list(names))
     assert meta.row_slots("cpu", (2, 3), (2, 4)) is slots
+    assert meta.stats["slot_hits"] == hits + 2  # its adapters still count as used (hits, eviction order)
     meta.set_request_adapters(names[::-1])
     swapped = meta.row_slots("cpu", (2, 3), (2, 4))
     assert swapped is not slots and swapped[:2].tolist() == slots[:2].flip(0).tolist()

@@ -41,12 +41,13 @@ class MappingFacade:
 
     def _set_mapping(self, set_fn, mapping, caller: str, unit: str) -> None:
         """Check the mapping, turn it into slot numbers once, loading what no slot holds (``AdapterPool.slots_for``),
-        then set it.  The mapping set last, asked again, returns at once.  Refused after a swap, the old mapping
+        then set it.  The mapping set last, asked again, only counts its adapters as used again.  Refused after a swap, the old mapping
         goes too."""
         slots = list(self._adapters.slots)
         entries = _entries_key(mapping)
         key = (unit, entries, tuple(slots))
         if entries is not None and self._tokens.is_current(key):
+            self._pool.reuse_last()  # the same hits and recency as before; no conversion, no rebuilt step values
             return
         try:
             indices = self._pool.slots_for(mapping, caller, unit)

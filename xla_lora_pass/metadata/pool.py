@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Iterable, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -91,6 +91,7 @@ class AdapterPool:
         self.pinned: Set[str] = set()
         self._last_used: Dict[str, int] = {}
         self._clock = 0
+        self._last_wanted: List[str] = []  # the adapters the mapping set last names (slots_for)
 
     def add(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> None:
         """Know adapter ``name`` without loading it: a mapping that names it loads it into a slot.
@@ -170,13 +171,20 @@ class AdapterPool:
                                       and e in self.source))
         named = slots + loadable
         indices = to_indices(mapping, slots, caller, unit, loadable)
-        self.ensure([named[i] for i in sorted(set(indices.tolist()) - {NO_LORA})], caller)
+        self._last_wanted = [named[i] for i in sorted(set(indices.tolist()) - {NO_LORA})]
+        self.ensure(self._last_wanted, caller)
         now = self._stacks.slots
         if now == slots:
             return indices
         # The pool loaded some: each name's slot number now (NO_LORA, -1, reads the appended -1).
         renumber = torch.tensor([now.index(n) if n in now else NO_LORA for n in named] + [NO_LORA], dtype=torch.int32)
         return renumber[indices.long()]
+
+    def reuse_last(self) -> None:
+        """The mapping set last is set again: its adapters count as used again (slot hits, recency for the
+        eviction order), as ``ensure`` would count them; nothing is converted, loaded or moved."""
+        self._stats.count("slot_hits", n=len(self._last_wanted))
+        self.touch(self._last_wanted)
 
     def load(self, loaded: LoadedAdapter, protected: Iterable[str]) -> int:
         """Write a validated adapter into its slot, a free one, or the least recently used one not in
