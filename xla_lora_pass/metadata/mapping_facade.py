@@ -51,7 +51,7 @@ class MappingFacade:
             return
         try:
             indices = self._pool.slots_for(mapping, caller, unit)
-            set_fn(indices, (unit, key[1], tuple(self._adapters.slots)))
+            set_fn(indices, (unit, entries, tuple(self._adapters.slots)))
         except Exception:
             if self._adapters.slots != slots:
                 self._tokens.forget()  # its slot numbers may now mean other adapters
