@@ -16,8 +16,9 @@ import torch
 
 LORA_WEIGHT = "xla_lora_weight"
 LORA_INPUT = "xla_lora_input"
-# A registered site's base-layer weight (a LoRAWeightRef with role "base"): how a site is found in a
-# graph that holds no LoRA branch for it (its adapters are all inactive).
+# A registered site's base-layer weight: how a site is found in a graph that holds no LoRA branch for it
+# (its adapters are all inactive).  A tuple of LoRAWeightRef with role "base", one per site reading the
+# tensor: tied weights (embed_tokens and lm_head) are one graph input for several sites.
 BASE_WEIGHT = "xla_lora_base_weight"
 # A parameter or buffer of a PEFT modules_to_save module (the original or one adapter's copy).
 SAVED_PARAM = "xla_lora_saved_param"
@@ -67,6 +68,9 @@ class LoRAWeightRef:
     unsupported: Optional[str] = None  # why the site can never be rewritten
     lora_bias: bool = False  # some adapter at the site has a LoRA bias (stacked_bias is fed)
     dora: bool = False  # some slot of the site is a DoRA adapter: every rewrite of it rescales per token
+    # The site's module's key in the nodes' meta["nn_module_stack"] (str(id(module))): which of the
+    # sites sharing a base weight an op of one kind belongs to.  None: unknown.
+    module_key: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)

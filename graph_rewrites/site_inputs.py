@@ -72,9 +72,10 @@ def find_token_layout(gm: fx.GraphModule) -> Optional[Tuple]:
     first = {}
     memo: dict = {}
     for node in gm.graph.find_nodes(op="placeholder"):
-        # A registered site's A weight, or its base weight (the site may have no LoRA branch in the graph).
-        ref = node.meta.get(LORA_WEIGHT) or node.meta.get(BASE_WEIGHT)
-        if ref is None or ref.role not in ("A", "base"):
+        # A registered site's A weight, or its base weight (the site may have no LoRA branch in the graph;
+        # BASE_WEIGHT holds a ref per site reading the tensor).
+        ref = node.meta.get(LORA_WEIGHT)
+        if (ref is None or ref.role != "A") and not node.meta.get(BASE_WEIGHT):
             continue
         for user in node.users:
             activation = next((a for a in user.all_input_nodes if a is not node), None)

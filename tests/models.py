@@ -76,10 +76,11 @@ class TinyLM(nn.Module):
         return self.lm_head(h), self.classifier(h)
 
 
-def peft_tiny_lm(adapters, dtype=torch.float32, seed=0):
+def peft_tiny_lm(adapters, dtype=torch.float32, seed=0, base=TinyLM):
     """TinyLM with PEFT adapters, each a dict: name, targets, and optionally r, alpha, modules_to_save,
     use_rslora, lora_bias.  Every LoRA weight and every saved copy is random (PEFT's copies start as the
-    original, which would hide a copy served in the wrong row).  The first adapter is active."""
+    original, which would hide a copy served in the wrong row).  The first adapter is active.
+    ``base``: what makes the TinyLM (one with tied weights, tests/test_tied_weights.py)."""
     torch.manual_seed(seed)
     model = None
     for spec in adapters:
@@ -88,7 +89,7 @@ def peft_tiny_lm(adapters, dtype=torch.float32, seed=0):
                          use_rslora=spec.get("use_rslora", False), lora_bias=spec.get("lora_bias", False),
                          init_lora_weights=False)
         if model is None:
-            model = get_peft_model(TinyLM(), cfg, adapter_name=spec["name"])
+            model = get_peft_model(base(), cfg, adapter_name=spec["name"])
         else:
             model.add_adapter(spec["name"], cfg)
     with torch.no_grad():

@@ -142,3 +142,26 @@ def test_pooled_head_refuses_a_row_with_two_adapters(xla_device):
         with torch.no_grad():
             compiled(input_ids=ids)
     torch._dynamo.reset()
+
+
+@pytest.mark.compat
+def test_tied_embeddings_retied_on_the_device(xla_device):
+    """Issue 28: ``.to(xla)`` unties embed_tokens and lm_head, ``tie_weights()`` ties them again (as HF's
+    Trainer does), then PEFT puts LoRA on both: one base tensor, two sites, each served at its own op.
+    (Tied before PEFT wraps the model, HF's re-tie after ``.to(xla)`` raises on PEFT's layers, so the two
+    stay apart there; tests/test_tied_weights.py covers that tie, kept on the CPU.)"""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(4)
+    base = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True)).to(xla_device)
+    base.tie_weights()
+    model = _peft(base, [("sql", ["q_proj"], 4, 8, {}), ("both", ["embed_tokens", "lm_head", "v_proj"], 8, 16, {}),
+                         ("emb", ["embed_tokens"], 2, 4, {}), ("head", ["lm_head"], 4, 2, {})])
+    lm = model.base_model.model
+    assert lm.lm_head.base_layer.weight is lm.model.embed_tokens.base_layer.weight
+    rows_list = [["both", "sql", None, "emb"], ["head", "both", "emb", None]]
+    ids = _ids()
+    refs = [per_row_eager(model, ids.to(xla_device), rows).logits.cpu() for rows in rows_list]
+    meta, remaps = _serve(model, xla_device, rows_list, lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    assert meta.stats["rewrites"]["lora_attach"] >= 2  # embed_tokens and lm_head: "sql" has neither branch
+    assert remaps == [0]

@@ -9,8 +9,11 @@ base op, with no LoRA branch for patterns 1-5 to replace:
     y = embedding(ids, W)          (PEFT ``Embedding``)
 
 The caller marks W's placeholder (``BASE_WEIGHT``, found by the identity of
-the example tensor); every such op whose output does not already feed a BGMV
-expand becomes
+the example tensor, with every site that reads it: tied embeddings make
+``embed_tokens`` and ``lm_head`` one tensor).  Each use of W is its site's by
+the op's kind (an embedding lookup, a linear), and between sites of one kind
+by the module the op runs in (``nn_module_stack``); every such op whose
+output does not already feed a BGMV expand becomes
 
     y = bgmv_expand(bgmv_shrink(x2d, stacked_A, idx), stacked_B, y2d, idx)
 
@@ -19,14 +22,15 @@ so every slot's adapter is served at every site whatever adapter is active.
 Exact for every mapping: slots whose adapter is absent at the site have zero
 stacks, -1 adds nothing, and the base op is untouched.
 
-A use of W this pass cannot attach to (an unknown form, a site with an
-unsupported adapter, tokens not tied to the mapping) is left alone and
-reported; ``unserved_base_sites`` then lists it for the uniform-mapping
-guard, since it computes no LoRA for any token.
+A use of W this pass cannot attach to (an unknown form, a shared W's use no
+site can be told for, a site with an unsupported adapter, tokens not tied to
+the mapping) is left alone and reported; ``unserved_base_sites`` then lists
+its sites for the uniform-mapping guard, since it computes no LoRA for any
+token.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -45,6 +49,7 @@ PATTERN_NAME = "lora_attach"
 
 _LINEAR = (torch._C._nn.linear, F.linear)
 _EMBEDDING = (F.embedding,)
+_KINDS = ("linear", "embedding")
 # Ops between a base output and the expand that adds the LoRA delta to it (patterns 1, 2, 5 and this one).
 _PASS_THROUGH = {"reshape", "view", "to", "view_as", "contiguous", "flatten"}
 
@@ -101,12 +106,6 @@ def base_op(use: fx.Node, weight: fx.Node, kind: str) -> Optional[BaseOp]:
     return None
 
 
-def _other_kind_use(use: fx.Node, weight: fx.Node, kind: str) -> bool:
-    """A tied weight read by the other kind of layer (``lm_head`` on the embedding table): not this site."""
-    other = "embedding" if kind == "linear" else "linear"
-    return base_op(use, weight, other) is not None
-
-
 def feeds_lora_expand(node: fx.Node, depth: int = 4) -> bool:
     """Whether ``node`` is the base output an expand adds a delta to (through reshapes and casts)."""
     for user in node.users:
@@ -125,24 +124,59 @@ def _lora_weight_sites(gm: fx.GraphModule) -> set:
             if LORA_WEIGHT in n.meta and n.users}
 
 
-def base_weight_inputs(gm: fx.GraphModule) -> Iterator[Tuple[fx.Node, LoRAWeightRef]]:
+def base_weight_inputs(gm: fx.GraphModule) -> Iterator[Tuple[fx.Node, Tuple[LoRAWeightRef, ...]]]:
+    """Each base weight the graph reads, with a ref per site it is the base weight of."""
     for node in gm.graph.find_nodes(op="placeholder"):
-        ref = node.meta.get(BASE_WEIGHT)
-        if ref is not None and node.users:
-            yield node, ref
+        refs = node.meta.get(BASE_WEIGHT)
+        if refs and node.users:
+            yield node, refs
 
 
-def unserved_uses(weight: fx.Node, ref: LoRAWeightRef) -> Tuple[List[BaseOp], List[fx.Node]]:
-    """(base ops with no LoRA computation on their output, uses of a form no pass knows)."""
-    bare, unknown = [], []
+class SiteUses:
+    """One site's uses of its base weight: base ops with no LoRA computation, and uses it cannot serve."""
+
+    def __init__(self):
+        self.bare: List[BaseOp] = []
+        self.unserved: List[Tuple[fx.Node, str]] = []  # (use, why)
+
+
+def _in_module(node: fx.Node, ref: LoRAWeightRef) -> bool:
+    """Whether ``node`` runs inside the site's own module (Dynamo records its key in nn_module_stack)."""
+    return ref.module_key is not None and ref.module_key in (node.meta.get("nn_module_stack") or {})
+
+
+def site_uses(weight: fx.Node, refs: Sequence[LoRAWeightRef]) -> Dict[str, SiteUses]:
+    """Each site's uses of ``weight``, the base weight of every site in ``refs`` (several when tied).
+
+    A use belongs to the site whose kind its op has (the embedding lookup
+    to ``embed_tokens``, the linear to ``lm_head``); between sites of one
+    kind, to the one whose module the op runs in.  A base op of a kind no site has
+    (the tied table read by a layer without LoRA) is no site's.  A use of
+    no known form, or one several sites could own, is unserved at each of
+    them: served at a guessed site it would be silently wrong.
+    """
+    uses = {ref.site: SiteUses() for ref in refs}
     for use in weight.users:
-        op = base_op(use, weight, ref.kind)
-        if op is not None:
-            if not feeds_lora_expand(op.op):
-                bare.append(op)
-        elif not _other_kind_use(use, weight, ref.kind):
-            unknown.append(use)
-    return bare, unknown
+        found = [(op, ref) for ref in refs if (op := base_op(use, weight, ref.kind)) is not None]
+        if not found:
+            if not any(base_op(use, weight, kind) is not None for kind in _KINDS):
+                for ref in refs:
+                    uses[ref.site].unserved.append((use, (
+                        f"its base weight is read by {use.format_node()}, a form the pass cannot attach the "
+                        "LoRA computation to")))
+            continue
+        owners = found if len(found) == 1 else [(op, ref) for op, ref in found if _in_module(op.op, ref)]
+        if len(owners) != 1:
+            names = ", ".join(ref.site for _, ref in found)
+            for op, ref in found:
+                uses[ref.site].unserved.append((use, (
+                    f"its base weight is shared by {names}, and {op.op.format_node()} runs in the module of "
+                    f"{'more than one' if owners else 'none'} of them: the pass cannot tell whose it is")))
+            continue
+        op, ref = owners[0]
+        if not feeds_lora_expand(op.op):
+            uses[ref.site].bare.append(op)
+    return uses
 
 
 def unserved_base_sites(gm: fx.GraphModule) -> Dict[str, LoRAWeightRef]:
@@ -153,12 +187,11 @@ def unserved_base_sites(gm: fx.GraphModule) -> Dict[str, LoRAWeightRef]:
     """
     branches = _lora_weight_sites(gm)
     left: Dict[str, LoRAWeightRef] = {}
-    for weight, ref in base_weight_inputs(gm):
-        if ref.site in branches:
-            continue
-        bare, unknown = unserved_uses(weight, ref)
-        if bare or unknown:
-            left[ref.site] = ref
+    for weight, refs in base_weight_inputs(gm):
+        uses = site_uses(weight, refs)
+        for ref in refs:
+            if ref.site not in branches and (uses[ref.site].bare or uses[ref.site].unserved):
+                left[ref.site] = ref
     return left
 
 
@@ -230,23 +263,27 @@ def attach_lora_sites(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     """Attach the BGMV computation to every registered site's bare base op; record sites and near misses."""
     branches = _lora_weight_sites(gm)
     modified = False
-    for weight, ref in list(base_weight_inputs(gm)):
-        if ref.site in branches:
-            continue  # its active adapter's branch is here: patterns 1-5 replaced it or reported why not
-        bare, unknown = unserved_uses(weight, ref)
-        for use in unknown:
-            ctx.report.near_misses.append(NearMiss(ref.site, PATTERN_NAME, (
-                f"its base weight is read by {use.format_node()}, a form the pass cannot attach the LoRA "
-                "computation to"), [use.name]))
-        for op in bare:
-            reason = ref.unsupported or _attach(gm.graph, ctx, op, ref)
-            if reason is not None:
-                ctx.report.near_misses.append(NearMiss(ref.site, PATTERN_NAME, reason, [op.op.name]))
-                continue
-            ctx.report.sites.append(SiteRewrite(
-                site=ref.site, pattern=PATTERN_NAME, adapter=None, x_shape=fx_utils.shape_of(op.tokens),
-                out_shape=fx_utils.shape_of(op.op), rank=ref.stacked_rank, num_slots=ref.num_slots, replaced=[]))
-            modified = True
+    for weight, refs in list(base_weight_inputs(gm)):
+        uses = site_uses(weight, refs)  # before any attach: each op is one site's, whichever is served first
+        for ref in refs:
+            if ref.site not in branches:  # else its branch is here: patterns 1-5 replaced it or said why not
+                modified |= _attach_site(gm, ctx, ref, uses[ref.site])
+    return modified
+
+
+def _attach_site(gm: fx.GraphModule, ctx: RewriteContext, ref: LoRAWeightRef, uses: SiteUses) -> bool:
+    for use, reason in uses.unserved:
+        ctx.report.near_misses.append(NearMiss(ref.site, PATTERN_NAME, reason, [use.name]))
+    modified = False
+    for op in uses.bare:
+        reason = ref.unsupported or _attach(gm.graph, ctx, op, ref)
+        if reason is not None:
+            ctx.report.near_misses.append(NearMiss(ref.site, PATTERN_NAME, reason, [op.op.name]))
+            continue
+        ctx.report.sites.append(SiteRewrite(
+            site=ref.site, pattern=PATTERN_NAME, adapter=None, x_shape=fx_utils.shape_of(op.tokens),
+            out_shape=fx_utils.shape_of(op.op), rank=ref.stacked_rank, num_slots=ref.num_slots, replaced=[]))
+        modified = True
     return modified
 
 

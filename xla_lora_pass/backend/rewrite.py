@@ -89,14 +89,14 @@ UNREGISTERED = ("a LoRA weight this LoRAMetadata does not know: call meta.regist
 
 
 def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> int:
-    """Mark each placeholder whose example tensor is a LoRA parameter (registered or not), a registered
-    site's base weight, or a tensor of a saved module (PEFT modules_to_save); all found by identity."""
+    """Mark each placeholder whose example tensor is a LoRA parameter (registered or not), the base weight
+    of one or more registered sites, or a tensor of a saved module (PEFT modules_to_save); all found by identity."""
     found = 0
     meta.refresh_param_index()
     for node, tensor in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
         roles = meta.weight_ref(tensor)
-        if roles.base is not None:
-            node.meta[BASE_WEIGHT] = _site_ref(meta, roles.base, None, "base")
+        if roles.bases:  # several sites when the weight is tied: lora_attach tells them apart by their ops
+            node.meta[BASE_WEIGHT] = tuple(_site_ref(meta, site, None, "base") for site in roles.bases)
         if roles.saved is not None:
             module, adapter, name = roles.saved
             spec = meta.saved_modules[module]
@@ -123,7 +123,7 @@ def _site_ref(meta: LoRAMetadata, site_name: str, adapter: Optional[str], role: 
         in_features=site.in_features, out_features=site.out_features, scaling=scaling,
         num_slots=meta.num_slots, stacked_rank=meta.site_rank(site_name), dtype=any_w.lora_a.dtype,
         unsupported=site.unsupported, lora_bias=any(w.bias is not None for w in site.adapters.values()),
-        dora=site.has_dora,
+        dora=site.has_dora, module_key=str(id(site.module)) if site.module is not None else None,
     )
 
 

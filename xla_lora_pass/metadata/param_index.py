@@ -8,7 +8,7 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from ..adapters.records import SiteSpec
 from ..adapters.saved_modules import SavedModuleSpec
@@ -18,7 +18,7 @@ class ParamRoles(NamedTuple):
     """What one tensor is to the registered adapters (None where it is not)."""
 
     lora: Optional[Tuple[str, str, str]]  # (site, adapter, role)
-    base: Optional[str]  # the site whose base-layer weight it is
+    bases: Tuple[str, ...]  # every site whose base-layer weight it is (several when tied); () if none
     saved: Optional[Tuple[str, Optional[str], str]]  # (saved module, adapter or None, tensor name)
 
 
@@ -27,13 +27,19 @@ class ParamIndex:
 
     def __init__(self):
         self._lora: Dict[int, Tuple[str, str, str]] = {}  # -> (site, adapter, role)
-        self._base: Dict[int, str] = {}  # -> site
+        # -> every site reading it, in registration order: one tensor may be the base weight of several
+        # sites (tied embeddings: embed_tokens and lm_head), and each must be found and served.
+        self._base: Dict[int, Tuple[str, ...]] = {}
         self._saved: Dict[int, Tuple[str, Optional[str], str]] = {}  # -> (module, adapter or None, tensor name)
 
     def refresh(self, sites: Iterable[SiteSpec], saved: Iterable[SavedModuleSpec]) -> None:
         sites = list(sites)
         self._lora = {pid: (s.name, adapter, role) for s in sites for pid, (adapter, role) in s.param_roles().items()}
-        self._base = {id(w): s.name for s in sites if (w := s.base_weight()) is not None}
+        bases: Dict[int, List[str]] = {}
+        for s in sites:
+            if (w := s.base_weight()) is not None:
+                bases.setdefault(id(w), []).append(s.name)
+        self._base = {key: tuple(names) for key, names in bases.items()}
         self._saved = {}
         for m in saved:
             for adapter in (None,) + m.adapters:
@@ -43,15 +49,15 @@ class ParamIndex:
     def weight_ref(self, tensor) -> "ParamRoles":
         """Everything ``tensor`` is, in one look-up: a LoRA parameter, a site's base weight, a saved module's."""
         key = id(tensor)
-        return ParamRoles(self._lora.get(key), self._base.get(key), self._saved.get(key))
+        return ParamRoles(self._lora.get(key), self._base.get(key, ()), self._saved.get(key))
 
     def lookup(self, tensor) -> Optional[Tuple[str, str, str]]:
         """``(site, adapter, role)`` if ``tensor`` is a registered LoRA parameter."""
         return self._lora.get(id(tensor))
 
-    def lookup_base(self, tensor) -> Optional[str]:
-        """The site whose base-layer weight ``tensor`` is, if any."""
-        return self._base.get(id(tensor))
+    def lookup_base(self, tensor) -> Tuple[str, ...]:
+        """Every site whose base-layer weight ``tensor`` is (() if none)."""
+        return self._base.get(id(tensor), ())
 
 
 __all__ = ["ParamIndex", "ParamRoles"]
