@@ -63,7 +63,7 @@ class _Reads:
     def __init__(self, wait=None):
         self.calls, self.wait = [], wait
 
-    def __call__(self, name, path, scaling, config):
+    def __call__(self, name, path, scaling, config, where=None):
         from xla_lora_pass.metadata.host_stacks import LoadedAdapter
         from xla_lora_pass.adapters.formats.peft_dir import read_adapter_dir
 

@@ -1,6 +1,7 @@
 """A PEFT adapter saved with ``save_pretrained``, loaded by path into a free slot: exact, no compile, safe."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -132,3 +133,80 @@ def test_saved_dora_adapter_loads_its_magnitudes(tmp_path):
     with torch.no_grad():
         out = compiled(input_ids=ids).logits
     assert (out - reference).abs().max().item() < 1e-4
+
+
+def _truncated_safetensors(path):
+    data = (path / "adapter_model.safetensors").read_bytes()
+    (path / "adapter_model.safetensors").write_bytes(data[:len(data) // 2])
+    return "adapter_model.safetensors"
+
+
+def _corrupt_bin(path):
+    (path / "adapter_model.safetensors").unlink()
+    (path / "adapter_model.bin").write_bytes(b"PK\x03\x04 not a zip archive" + bytes(range(256)))
+    return "adapter_model.bin"
+
+
+def _bad_json(path):
+    (path / "adapter_config.json").write_text('{"peft_type": "LORA", "lora_alpha": 8,')
+    return "adapter_config.json"
+
+
+def _config_not_an_object(path):
+    (path / "adapter_config.json").write_text("[8]")
+    return "adapter_config.json"
+
+
+def _no_weights(path):
+    (path / "adapter_model.safetensors").unlink()
+    return ""
+
+
+def _no_config(path):
+    (path / "adapter_config.json").unlink()
+    return ""
+
+
+BAD_FILES = [_truncated_safetensors, _corrupt_bin, _bad_json, _config_not_an_object, _no_weights, _no_config]
+
+
+def _bad_copy(saved, tmp_path, damage):
+    """A copy of the saved adapter directory with ``damage`` done to it; returns (directory, path to name)."""
+    import shutil
+
+    path = tmp_path / "broken"
+    shutil.copytree(saved["path"], path)
+    return path, os.path.join(str(path), damage(path))
+
+
+@pytest.mark.parametrize("damage", BAD_FILES, ids=lambda f: f.__name__.strip("_"))
+def test_a_bad_adapter_file_raises_adapter_file_error_naming_adapter_and_path(saved, tmp_path, damage):
+    """Truncated safetensors, a corrupt .bin, bad JSON, a missing file: the package's AdapterFileError (a
+    FileNotFoundError too when a file is missing), naming the adapter and the file; nothing changes."""
+    from xla_lora_pass.errors import AdapterFileError
+
+    path, bad = _bad_copy(saved, tmp_path, damage)
+    meta = xlp.LoRAMetadata(max_num_tokens=16, max_slots=4)
+    meta.register_adapters(saved["model"])
+    with pytest.raises(AdapterFileError, match=r"load_adapter\('fresh'\): .*'" + re.escape(bad.rstrip("/"))) as info:
+        meta.load_adapter("fresh", path)
+    assert isinstance(info.value, FileNotFoundError) == (damage in (_no_weights, _no_config))
+    assert meta.slots[3] is None
+
+
+@pytest.mark.parametrize("damage", [_truncated_safetensors, _no_weights], ids=lambda f: f.__name__.strip("_"))
+def test_a_bad_added_adapter_raises_at_the_mapping_that_uses_it(saved, tmp_path, damage):
+    """add_adapter reads nothing and a prefetch that fails raises nothing: the mapping that needs the adapter
+    raises AdapterFileError naming the adapter and the file, and keeps the old mapping and slots."""
+    from xla_lora_pass.errors import AdapterFileError
+
+    path, bad = _bad_copy(saved, tmp_path, damage)
+    meta = xlp.LoRAMetadata(max_num_tokens=16, max_slots=4)
+    meta.register_adapters(saved["model"])
+    meta.add_adapter("fresh", path)
+    meta.set_request_adapters(["sql", None])
+    meta.prefetch(["fresh"], wait=True)
+    named = r"set_request_adapters: adapter 'fresh'.*'" + re.escape(bad.rstrip("/"))
+    with pytest.raises(AdapterFileError, match=named):
+        meta.set_request_adapters(["fresh", "chat"])
+    assert meta.slots == ["sql", "chat", "code", None] and meta.request_adapters().tolist() == [0, -1]

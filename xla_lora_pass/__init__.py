@@ -13,7 +13,7 @@ from . import config
 from .kernels import table as _kernel_table  # noqa: F401  registers torch.ops.xla_lora before any pass runs
 from .backend import LoRABackend, make_backend
 from .backend.rewrite import capture_graphs, rewrite
-from .errors import UnsupportedAdapterError, UnsupportedMappingError
+from .errors import AdapterFileError, AdapterFileNotFoundError, UnsupportedAdapterError, UnsupportedMappingError
 from .metadata import NO_LORA, LoRAMetadata
 from .metadata.pool import SlotCapacityError
 from .shapes import Buckets
@@ -40,7 +40,7 @@ def xla_lora_backend(gm, example_inputs):
 
 
 __all__ = [
-    "Buckets", "LoRABackend", "SlotCapacityError", "capture_graphs", "LoRAMetadata", "NO_LORA", "UnsupportedAdapterError",
-    "UnsupportedMappingError", "config",
+    "AdapterFileError", "AdapterFileNotFoundError", "Buckets", "LoRABackend", "SlotCapacityError", "capture_graphs",
+    "LoRAMetadata", "NO_LORA", "UnsupportedAdapterError", "UnsupportedMappingError", "config",
     "default_metadata", "make_backend", "rewrite", "xla_lora_backend",
 ]

@@ -7,3 +7,11 @@ class UnsupportedMappingError(ValueError):
 
 class UnsupportedAdapterError(ValueError):
     """A LoRA layer that cannot be served exactly; raised by ``register_adapters``, naming the layer."""
+
+
+class AdapterFileError(ValueError):
+    """A saved adapter's directory or file cannot be read as one (truncated, corrupt, not JSON, missing)."""
+
+
+class AdapterFileNotFoundError(AdapterFileError, FileNotFoundError):
+    """A saved adapter's directory or one of its files is missing (still a ``FileNotFoundError``, as before)."""

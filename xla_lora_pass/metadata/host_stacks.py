@@ -90,7 +90,8 @@ class AdapterStacks:
         return self._dora[site]
 
     # ------------------------------------------------------------- loading
-    def validate(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> LoadedAdapter:
+    def validate(self, name: str, state, *, scaling: Optional[float] = None, config=None,
+                 where: Optional[str] = None) -> LoadedAdapter:
         """Read and check one adapter's weights for ``LoRAMetadata.load_adapter``; nothing is written.
 
         ``state`` is a state dict in the registered layers' own keys (PEFT
@@ -110,30 +111,33 @@ class AdapterStacks:
         Weights may be of any floating dtype, cast to the site's stack dtype
         (the model's LoRA dtype), and on any device that holds data (CPU, XLA,
         ...): they are copied to the host, one device-to-host transfer each.
+        Errors start with ``where``, by default ``load_adapter('<name>')`` (the
+        pool names the call that needed the adapter: a mapping, a pin).
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"load_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
+        caller = where or f"load_adapter({name!r})"
         if isinstance(state, (str, os.PathLike)):
-            saved_state, saved_config = read_adapter_dir(f"load_adapter({name!r})", state)
+            saved_state, saved_config = read_adapter_dir(caller, state)
             state, config = saved_state, config if config is not None else saved_config
         if not isinstance(state, Mapping):
-            raise TypeError(f"load_adapter({name!r}): state must be a mapping of name -> tensor or a saved PEFT "
+            raise TypeError(f"{caller}: state must be a mapping of name -> tensor or a saved PEFT "
                             f"adapter directory, got {type(state).__name__}")
         if not self.sites:
-            raise RuntimeError(f"load_adapter({name!r}): no LoRA sites are registered; call "
+            raise RuntimeError(f"{caller}: no LoRA sites are registered; call "
                                "register_adapters(model) with a model that has LoRA layers first")
         saved = sorted(m.name for m in self.saved.values() if name in m.adapters)
         if saved:
-            raise ValueError(f"load_adapter({name!r}): this adapter has PEFT modules_to_save copies ({saved}) that "
+            raise ValueError(f"{caller}: this adapter has PEFT modules_to_save copies ({saved}) that "
                              "load_adapter cannot replace, so its rows would mix new LoRA weights with the old "
                              "copies; load it into the PEFT model and call register_adapters(model) again")
-        per_site = split_state(f"load_adapter({name!r})", state, self.sites)
+        per_site = split_state(caller, state, self.sites)
         if not per_site:
-            raise ValueError(f"load_adapter({name!r}): state holds no lora_A / lora_B weights")
+            raise ValueError(f"{caller}: state holds no lora_A / lora_B weights")
         loaded = LoadedAdapter(name, {}, {})
         for site_name, roles in per_site.items():
             site, stack_a = self.sites[site_name], self._a[site_name]
-            where = f"load_adapter({name!r}): {site_name}"
+            where = f"{caller}: {site_name}"
             _check_tensors(where, roles["A"], roles["B"])
             lora_a, lora_b = roles["A"], roles["B"]
             if site.format is not None:

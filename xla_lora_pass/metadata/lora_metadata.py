@@ -58,7 +58,7 @@ class LoRAMetadata(MappingFacade):
         self._tokens = TokenMapping(self.max_num_tokens)
         self._stats = Stats()
         self._devices = DeviceStacks(self._adapters, self._stats.count)
-        self._pool = AdapterPool(self._adapters, self._devices, self._stats)
+        self._pool = AdapterPool(self._adapters, self._devices, self._stats, mapped=self._mapped_names)
         self._model = None  # weak reference to the model registered last
         self._server = None  # serves that model (serving.ModelServing): set by make_backend
 
@@ -149,21 +149,21 @@ class LoRAMetadata(MappingFacade):
         """
         loaded = self._adapters.validate(name, state, scaling=scaling, config=config)
         self._pool.remember(name, state, loaded, scaling=scaling, config=config)
-        return self._pool.load(loaded, self._mapped_names())
+        return self._pool.load(loaded)
 
     add_adapter = _forward("_pool", AdapterPool.add)
 
     @_locked
     def unload_adapter(self, name: str) -> int:
         """Free ``name``'s slot (zero rows, written in place); it stays known and comes back on demand."""
-        return self._pool.unload(name, self._mapped_names())
+        return self._pool.unload(name)
 
     pin = _forward("_pool", AdapterPool.pin)
     unpin = _forward("_pool", AdapterPool.unpin)
     prefetch = _forward("_pool", AdapterPool.prefetch)
 
     def _mapped_names(self) -> List[str]:
-        """The adapters the current mapping uses (they must not be evicted under it)."""
+        """The adapters the current mapping uses (``AdapterPool.held`` keeps them in their slots)."""
         slots = self._adapters.slots
         return [slots[i] for i in (self._tokens.mapped_slots() or ()) if i >= 0 and slots[i] is not None]
 

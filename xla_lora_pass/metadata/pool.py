@@ -4,21 +4,25 @@ The device holds ``num_slots`` adapters at a time (the stacks every compiled
 graph reads); an ``AdapterSource`` knows any number more by name, on the host
 or on disk (a PEFT ``save_pretrained`` directory, read as data only).  When a
 mapping names an adapter that is not in a slot, ``plan_slots`` picks the slot:
-a free one, else the least recently used adapter the mapping does not need and
-nobody pinned (S-LoRA's and LoRAX's policy).  A mapping that needs more
-adapters than there are slots is refused before anything changes.
+a free one, else the least recently used adapter that may leave its slot
+(S-LoRA's and LoRAX's policy).  Which adapters may not is decided in one place,
+``AdapterPool.held``, asked by every move (a mapping, ``load_adapter``,
+``pin``, ``unload_adapter``): pinned ones, those holding PEFT modules_to_save
+copies, and those the current mapping uses, since its slot numbers are already
+in the step's values (except for the move that sets a new mapping, which
+replaces them).  A move that finds no room is refused before anything changes.
 
 A swap writes one slot of the host stacks and of each device copy in place
-(``DeviceStacks.write_slot``): its cost is one adapter's bytes, whatever
+(``DeviceStacks.write_slot``): its cost is the adapter's own rows, whatever
 the number of slots, and it never recompiles a graph (stacks are graph
 inputs).  ``AdapterSource.prefetch`` reads the next mapping's directories on
-a background thread.
+a background thread (not those of adapters already in a slot).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -34,6 +38,10 @@ class SlotCapacityError(UnsupportedMappingError):
     """A mapping needs more adapters on the device at once than there are slots to hold them."""
 
 
+# Why an adapter may not leave its slot (AdapterPool.held), as the refusals name it.
+PINNED, SAVED, MAPPED = "pinned", "holds PEFT modules_to_save copies", "used by the current mapping"
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotPlan:
     """What to load where for one mapping: (adapter, slot) pairs, and the adapters they replace."""
@@ -43,29 +51,26 @@ class SlotPlan:
     hits: int  # adapters the mapping names that were already in a slot
 
 
-def plan_slots(slots: Sequence[Optional[str]], wanted: Iterable[str], *, pinned: Iterable[str] = (),
-               last_used: Mapping[str, int] = {}, caller: str = "set the mapping") -> SlotPlan:
+def plan_slots(slots: Sequence[Optional[str]], wanted: Iterable[str], *,
+               pinned: Union[Iterable[str], Mapping[str, str]] = (), last_used: Mapping[str, int] = {},
+               caller: str = "set the mapping") -> SlotPlan:
     """Slots for the adapters ``wanted`` (in first-use order): resident ones stay, the others take a free
-    slot, else the least recently used slot whose adapter is neither wanted nor pinned.
+    slot, else the least recently used slot whose adapter is neither wanted nor in ``pinned``.
 
-    Raises ``SlotCapacityError`` (nothing changes) when ``wanted`` holds more adapters than the slots
-    that are free, resident for it, or evictable.
+    ``pinned``: the adapters that may not leave their slot, or a mapping of them to why (named in the
+    error).  Raises ``SlotCapacityError`` (nothing changes) when ``wanted`` holds more adapters than the
+    slots that are free, resident for it, or evictable.
     """
     wanted = list(dict.fromkeys(wanted))
+    reasons = dict(pinned) if isinstance(pinned, Mapping) else dict.fromkeys(pinned, PINNED)
     resident = {name: slot for slot, name in enumerate(slots) if name is not None}
     missing = [name for name in wanted if name not in resident]
-    keep = set(wanted) | set(pinned)
+    keep = set(wanted) | set(reasons)
     free = [slot for slot, name in enumerate(slots) if name is None]
     evictable = sorted((slot for slot, name in enumerate(slots) if name is not None and name not in keep),
                        key=lambda slot: last_used.get(slots[slot], -1))
     if len(missing) > len(free) + len(evictable):
-        held = sorted(set(pinned) & set(resident) - set(wanted))
-        raise SlotCapacityError(
-            f"{caller}: needs {len(wanted)} adapters {wanted} in slots at once, but there are "
-            f"{len(slots)} slots" + (f", {len(held)} of them kept by {held} (pinned, holding PEFT "
-                                     "modules_to_save copies, or used by the current mapping)" if held else "") +
-            f": it needs {len(wanted) + len(held)} slots. Split the batch into batches of at most "
-            f"{len(slots) - len(held)} adapters, unpin some, or create the LoRAMetadata with a larger max_slots")
+        raise SlotCapacityError(_no_room(caller, slots, wanted, reasons))
     loads, evictions = [], []
     for name in missing:
         if free:
@@ -77,16 +82,38 @@ def plan_slots(slots: Sequence[Optional[str]], wanted: Iterable[str], *, pinned:
     return SlotPlan(tuple(loads), tuple(evictions), hits=len(wanted) - len(missing))
 
 
+def _no_room(caller: str, slots, wanted: List[str], reasons: Mapping[str, str]) -> str:
+    """The refusal: how many slots the move needs, which adapters keep theirs and why, and what would help."""
+    held = sorted(set(reasons) & ({n for n in slots if n is not None} - set(wanted)))
+    by_reason: Dict[str, List[str]] = {}
+    for name in held:
+        by_reason.setdefault(reasons[name], []).append(name)
+    why = "; ".join(reason if len(by_reason) == 1 else f"{', '.join(names)}: {reason}"
+                    for reason, names in by_reason.items())
+    room = len(slots) - len(held)
+    advice = [f"split the batch into batches of at most {room} adapters"] if len(wanted) > 1 and room else []
+    advice += ["unpin some"] if PINNED in by_reason else []
+    advice += ["set a mapping without them first"] if MAPPED in by_reason else []
+    advice = ", ".join(advice + ["create the LoRAMetadata with a larger max_slots"])
+    return (f"{caller}: needs {len(wanted)} adapters {wanted} in slots at once, but there are {len(slots)} slots"
+            + (f", {len(held)} of them kept by {held} ({why})" if held else "")
+            + f": it needs {len(wanted) + len(held)} slots. {advice[0].upper()}{advice[1:]}")
+
+
 class AdapterPool:
     """Slots as a cache over an ``AdapterSource``: loads, LRU evictions, pins; the device written per slot.
 
-    Not locked itself: ``LoRAMetadata`` holds its lock around every call.
+    ``mapped()`` returns the adapters the current mapping uses (``LoRAMetadata``
+    knows the mapping).  Not locked itself: ``LoRAMetadata`` holds its lock
+    around every call.
     """
 
-    def __init__(self, stacks: AdapterStacks, devices: DeviceStacks, stats: Stats, host_cache: int = 16):
-        self._stacks, self._devices, self._stats = stacks, devices, stats
+    def __init__(self, stacks: AdapterStacks, devices: DeviceStacks, stats: Stats,
+                 mapped: Callable[[], Iterable[str]] = tuple, host_cache: int = 16):
+        self._stacks, self._devices, self._stats, self._mapped = stacks, devices, stats, mapped
         self.source = AdapterSource(
-            lambda name, path, scaling, config: stacks.validate(name, path, scaling=scaling, config=config),
+            lambda name, path, scaling, config, where: stacks.validate(name, path, scaling=scaling, config=config,
+                                                                       where=where),
             host_cache)
         self.pinned: Set[str] = set()
         self._last_used: Dict[str, int] = {}
@@ -117,8 +144,9 @@ class AdapterPool:
 
     def prefetch(self, names: Iterable[str], wait: bool = False) -> None:
         """Read the directories of ``names`` on a background thread, before a mapping needs them
-        (``wait``: until they are read)."""
-        self.source.prefetch(names, wait)
+        (``wait``: until they are read).  Adapters already in a slot are skipped: a mapping reads nothing
+        for them.  A read that fails raises at the mapping that needs the adapter."""
+        self.source.prefetch([n for n in names if n not in self._stacks.slots], wait)
 
     def sites_changed(self) -> None:
         """After ``register_adapters``: host copies checked against the old sites go, directories stay."""
@@ -126,8 +154,22 @@ class AdapterPool:
         self.pinned.clear()
         self._last_used.clear()
 
+    def held(self, *, new_mapping: bool = False) -> Dict[str, str]:
+        """The one rule every move follows: the adapters that may not leave their slot now, each with why.
+
+        Pinned ones; those with PEFT modules_to_save copies (a compiled graph
+        picks a saved module's copy by slot number); those the current mapping
+        uses (its slot numbers are in the step's values already), unless the
+        move is for ``new_mapping``, which replaces the current one.
+        """
+        why = {} if new_mapping else dict.fromkeys(self._mapped(), MAPPED)
+        why.update(dict.fromkeys((a for m in self._stacks.saved.values() for a in m.adapters), SAVED))
+        why.update(dict.fromkeys(self.pinned, PINNED))
+        return why
+
     def pin(self, name: str) -> None:
-        """Keep ``name`` in its slot until ``unpin`` (loading it now if it is not in one)."""
+        """Keep ``name`` in its slot until ``unpin`` (loading it now if it is not in one, into a slot no held
+        adapter needs; ``SlotCapacityError`` without one, nothing changed)."""
         if name not in self._stacks.slots and name not in self.source:
             raise KeyError(f"pin({name!r}): unknown adapter; slots: {self._stacks.slots}, or add it with add_adapter")
         self.ensure([name], f"pin({name!r})")
@@ -136,27 +178,23 @@ class AdapterPool:
     def unpin(self, name: str) -> None:
         self.pinned.discard(name)
 
-    def fixed(self) -> Set[str]:
-        """Adapters that never leave their slot: pinned ones, and those with PEFT modules_to_save copies
-        (a compiled graph picks a saved module's copy by slot number)."""
-        return self.pinned | {a for m in self._stacks.saved.values() for a in m.adapters}
-
     def touch(self, names: Iterable[str]) -> None:
         """``names`` were just used by a mapping: the least recently used go first."""
         self._clock += 1
         for name in names:
             self._last_used[name] = self._clock
 
-    def ensure(self, wanted: Sequence[str], caller: str) -> None:
-        """Every adapter of ``wanted`` the source knows in a slot, loading and evicting as needed.
+    def ensure(self, wanted: Sequence[str], caller: str, *, new_mapping: bool = False) -> None:
+        """Every adapter of ``wanted`` the source knows in a slot, loading and evicting what ``held`` allows.
 
         Names neither resident nor known are left for the mapping's own check
         to refuse.  All reads and checks happen before the first slot changes.
         """
         slots = self._stacks.slots
         known = [n for n in dict.fromkeys(wanted) if n in slots or n in self.source]
-        plan = plan_slots(slots, known, pinned=self.fixed(), last_used=self._last_used, caller=caller)
-        loaded = [(self.source.get(name), slot) for name, slot in plan.loads]
+        plan = plan_slots(slots, known, pinned=self.held(new_mapping=new_mapping), last_used=self._last_used,
+                          caller=caller)
+        loaded = [(self.source.get(name, f"{caller}: adapter {name!r}"), slot) for name, slot in plan.loads]
         for adapter, slot in loaded:
             self._write(adapter, slot)
         self._stats.count("slot_hits", n=plan.hits)
@@ -172,7 +210,7 @@ class AdapterPool:
         named = slots + loadable
         indices = to_indices(mapping, slots, caller, unit, loadable)
         self._last_wanted = [named[i] for i in sorted(set(indices.tolist()) - {NO_LORA})]
-        self.ensure(self._last_wanted, caller)
+        self.ensure(self._last_wanted, caller, new_mapping=True)
         now = self._stacks.slots
         if now == slots:
             return indices
@@ -186,35 +224,34 @@ class AdapterPool:
         self._stats.count("slot_hits", n=len(self._last_wanted))
         self.touch(self._last_wanted)
 
-    def load(self, loaded: LoadedAdapter, protected: Iterable[str]) -> int:
-        """Write a validated adapter into its slot, a free one, or the least recently used one not in
-        ``protected`` (the current mapping's adapters); return the slot."""
+    def load(self, loaded: LoadedAdapter) -> int:
+        """Write a validated adapter into its own slot, a free one, or the least recently used one ``held``
+        allows; return the slot."""
         slot = self._stacks.free_slot(loaded.name)
         if slot is None:
-            plan = plan_slots(self._stacks.slots, [loaded.name], pinned=self.fixed() | set(protected),
-                              last_used=self._last_used, caller=f"load_adapter({loaded.name!r})")
+            plan = plan_slots(self._stacks.slots, [loaded.name], pinned=self.held(), last_used=self._last_used,
+                              caller=f"load_adapter({loaded.name!r})")
             slot = plan.loads[0][1]
         self._write(loaded, slot)
         self.touch([loaded.name])
         return slot
 
-    def unload(self, name: str, protected: Iterable[str]) -> int:
+    def unload(self, name: str) -> int:
         """Free ``name``'s slot (it stays known by name, to come back on demand); return the slot."""
         if name not in self._stacks.slots:
             raise KeyError(f"unload_adapter({name!r}): not in a slot; slots: {self._stacks.slots}")
-        if name in set(protected):
-            raise ValueError(f"unload_adapter({name!r}): the current mapping uses it; set a mapping without it first")
-        saved = sorted(m.name for m in self._stacks.saved.values() if name in m.adapters)
-        if saved:
-            raise ValueError(f"unload_adapter({name!r}): it has PEFT modules_to_save copies ({saved}), which compiled "
-                             "graphs pick by slot number, so it stays in its slot")
+        why = self.held().get(name)
+        if why is not None:
+            raise ValueError(f"unload_adapter({name!r}): " + {
+                PINNED: "it is pinned; unpin it first",
+                SAVED: "it has PEFT modules_to_save copies, which compiled graphs pick by slot number, so it stays "
+                       "in its slot",
+                MAPPED: "the current mapping uses it; set a mapping without it first"}[why])
         slot = self._stacks.slots.index(name)
         self._keep_if_unknown(slot)
         self._stacks.clear(slot)
         self._devices.write_slot(slot)
-        self.pinned.discard(name)
         return slot
-
     def _write(self, loaded: LoadedAdapter, slot: int) -> None:
         previous = self._stacks.slots[slot]
         if previous is not None and previous != loaded.name:

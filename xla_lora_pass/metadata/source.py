@@ -13,10 +13,12 @@ import os
 import threading
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
+from ..errors import AdapterFileNotFoundError
 from .host_stacks import LoadedAdapter
 
-# validate(name, directory, scaling, config) -> the adapter's checked host weights (AdapterStacks.validate).
-Validate = Callable[[str, Union[str, os.PathLike], Optional[float], object], LoadedAdapter]
+# validate(name, directory, scaling, config, where) -> the adapter's checked host weights (AdapterStacks.validate);
+# ``where`` starts its errors (the call that needed the adapter).
+Validate = Callable[[str, Union[str, os.PathLike], Optional[float], object, Optional[str]], LoadedAdapter]
 
 
 class AdapterSource:
@@ -43,7 +45,7 @@ class AdapterSource:
     def add_dir(self, name: str, path, *, scaling: Optional[float] = None, config=None) -> None:
         """Know ``name`` as a PEFT adapter directory, read when a slot needs it."""
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"add_adapter({name!r}): {os.fspath(path)!r} is not a directory; give a "
+            raise AdapterFileNotFoundError(f"add_adapter({name!r}): {os.fspath(path)!r} is not a directory; give a "
                                     "directory written by PEFT's save_pretrained, or a state dict")
         with self._lock:
             self._kept.pop(name, None)
@@ -76,8 +78,9 @@ class AdapterSource:
         with self._lock:
             return list(self._dirs) + list(self._kept)
 
-    def get(self, name: str) -> LoadedAdapter:
-        """The adapter ``name``: kept, cached, being prefetched (waited for), or read now."""
+    def get(self, name: str, where: Optional[str] = None) -> LoadedAdapter:
+        """The adapter ``name``: kept, cached, being prefetched (waited for), or read now (its errors start
+        with ``where``: the call that needs it)."""
         with self._lock:
             if name in self._kept:
                 return self._kept[name]
@@ -92,7 +95,7 @@ class AdapterSource:
                 self._read.move_to_end(name)
                 return cached
             entry = self._dirs[name]
-        return self._read_now(name, entry)
+        return self._read_now(name, entry, where)
 
     def prefetch(self, names: Iterable[str], wait: bool = False) -> None:
         """Start reading the directories of ``names`` on a background thread (others are skipped);
@@ -117,16 +120,16 @@ class AdapterSource:
 
     def _prefetch_one(self, name: str, entry: tuple) -> None:
         try:
-            self._read_now(name, entry)
+            self._read_now(name, entry, f"prefetch({name!r})")
         except Exception:  # noqa: BLE001  get() reads again and raises it on the serving thread
             pass
         finally:
             with self._lock:
                 self._pending.pop(name, None)
 
-    def _read_now(self, name: str, entry: tuple) -> LoadedAdapter:
+    def _read_now(self, name: str, entry: tuple, where: Optional[str]) -> LoadedAdapter:
         path, scaling, config = entry
-        loaded = self._validate(name, path, scaling, config)
+        loaded = self._validate(name, path, scaling, config, where)
         with self._lock:
             if self._dirs.get(name) is entry and self._host_cache:
                 self._read[name] = loaded

@@ -4,7 +4,11 @@
 the weights come from ``adapter_model.safetensors`` (a flat table of
 tensors), or else ``adapter_model.bin`` through ``torch.load(weights_only=True)``,
 which unpickles tensors and plain containers only.  Whatever does not fit the
-registered sites is refused by ``load_adapter`` before any slot changes.
+registered sites is refused by ``load_adapter`` before any slot changes.  A
+file that cannot be read as what it should be (truncated, corrupt, not JSON,
+missing) raises ``AdapterFileError`` naming the file, whatever the library
+underneath raised: a serving loop catches one type, and the message says which
+adapter and which file to fix.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import re
 from typing import Dict, Mapping, Tuple
 
 import torch
+
+from ...errors import AdapterFileError, AdapterFileNotFoundError
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -46,12 +52,16 @@ def read_adapter_dir(where: str, path) -> Tuple[Dict[str, torch.Tensor], SavedLo
     path = os.fspath(path)
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{where}: {path!r} has no {CONFIG_FILE}: give a directory written by PEFT's "
-                                "save_pretrained, or a state dict")
-    with open(config_path) as f:
-        raw = json.load(f)
+        raise AdapterFileNotFoundError(f"{where}: {path!r} has no {CONFIG_FILE}: give a directory written by PEFT's "
+                                       "save_pretrained, or a state dict")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON (JSONDecodeError is a ValueError)
+        raise AdapterFileError(f"{where}: {config_path!r} cannot be read as JSON ({_why(e)}); save the adapter "
+                               "again with PEFT's save_pretrained") from e
     if not isinstance(raw, dict):
-        raise ValueError(f"{where}: {config_path} is not a JSON object")
+        raise AdapterFileError(f"{where}: {config_path!r} is not a JSON object (got a {type(raw).__name__})")
     if raw.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: {config_path} is a {raw.get('peft_type')} adapter; only LoRA is served")
     for field, why in (("modules_to_save", "full module copies"), ("lora_bias", "a LoRA bias")):
@@ -60,11 +70,11 @@ def read_adapter_dir(where: str, path) -> Tuple[Dict[str, torch.Tensor], SavedLo
                              "register a model that holds this adapter instead")
     alpha = raw.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{where}: {config_path} has no finite number lora_alpha (got {alpha!r:.40})")
+        raise AdapterFileError(f"{where}: {config_path!r} has no finite number lora_alpha (got {alpha!r:.40})")
     alpha_pattern = raw.get("alpha_pattern") or {}
     if not isinstance(alpha_pattern, dict) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in alpha_pattern.values()):
-        raise ValueError(f"{where}: {config_path} alpha_pattern must map patterns to numbers")
+        raise AdapterFileError(f"{where}: {config_path!r} alpha_pattern must map patterns to numbers")
     config = SavedLoraConfig(lora_alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)),
                              use_dora=bool(raw.get("use_dora", False)),
                              alpha_pattern={str(k): float(v) for k, v in alpha_pattern.items()})
@@ -76,11 +86,25 @@ def _read_weights(where: str, path: str) -> Dict[str, torch.Tensor]:
     if os.path.isfile(tensors):
         from safetensors.torch import load_file
 
-        return load_file(tensors, device="cpu")
+        try:
+            return load_file(tensors, device="cpu")
+        except Exception as e:  # noqa: BLE001  SafetensorError, OSError, ...: all say the file is bad
+            raise AdapterFileError(f"{where}: {tensors!r} is not a readable safetensors file ({_why(e)}); save "
+                                   "the adapter again with PEFT's save_pretrained") from e
     pickled = os.path.join(path, PICKLE_FILE)
     if os.path.isfile(pickled):
-        state = torch.load(pickled, map_location="cpu", weights_only=True)  # tensors and containers only
+        try:
+            state = torch.load(pickled, map_location="cpu", weights_only=True)  # tensors and containers only
+        except Exception as e:  # noqa: BLE001  a corrupt archive, or a pickled object weights_only refuses
+            raise AdapterFileError(f"{where}: {pickled!r} cannot be loaded with torch.load(weights_only=True) "
+                                   f"({_why(e)})") from e
         if not isinstance(state, dict):
-            raise ValueError(f"{where}: {pickled} holds a {type(state).__name__}, not a state dict")
+            raise AdapterFileError(f"{where}: {pickled!r} holds a {type(state).__name__}, not a state dict")
         return state
-    raise FileNotFoundError(f"{where}: {path!r} has neither {SAFETENSORS_FILE} nor {PICKLE_FILE}")
+    raise AdapterFileNotFoundError(f"{where}: {path!r} has neither {SAFETENSORS_FILE} nor {PICKLE_FILE}")
+
+
+def _why(error: Exception) -> str:
+    """The library's own error in one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
