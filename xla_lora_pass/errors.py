@@ -6,7 +6,8 @@ class UnsupportedMappingError(ValueError):
 
 
 class UnsupportedAdapterError(ValueError):
-    """A LoRA layer that cannot be served exactly; raised by ``register_adapters``, naming the layer."""
+    """A LoRA layer that cannot be served exactly, or a PEFT adapter of another type than LoRA; raised by
+    ``register_adapters``, naming the layer or the adapter."""
 
 
 class AdapterFileError(ValueError):

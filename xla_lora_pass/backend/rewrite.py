@@ -7,7 +7,6 @@ annotated with a ``LoRAWeightRef`` before the passes run.
 from __future__ import annotations
 
 import logging
-import re
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -77,11 +76,23 @@ def _unregistered_ref(node: fx.Node) -> Optional[LoRAWeightRef]:
     hit = lora_param_from_source(source.name()) if source is not None else None
     if hit is None:
         return None
-    adapter, role = hit
-    site = re.sub(r"\.lora_(embedding_)?[AB]\b.*$", "", source.name())
+    site, adapter, role = hit
     return LoRAWeightRef(site=site, adapter=adapter, role=role, kind="unknown", in_features=0, out_features=0,
                          scaling=float("nan"), num_slots=0, stacked_rank=0, dtype=torch.float32,
                          unsupported=UNREGISTERED)
+
+
+def _excluded_ref(meta: LoRAMetadata, tensor) -> Optional[LoRAWeightRef]:
+    """A tensor of an adapter excluded at register_adapters (a type the package does not serve), made active
+    since: its layer adds it to every token, so the layer is marked left alone and the uniform-mapping guard
+    refuses every mapping (the adapter has no slot for a mapping to be uniform on)."""
+    hit = meta.excluded_weight(tensor)
+    if hit is None:
+        return None
+    layer, adapter, reason = hit
+    return LoRAWeightRef(site=layer, adapter=adapter, role="excluded", kind="unknown", in_features=0,
+                         out_features=0, scaling=float("nan"), num_slots=0, stacked_rank=0, dtype=torch.float32,
+                         unsupported=reason)
 
 
 UNREGISTERED = ("a LoRA weight this LoRAMetadata does not know: call meta.register_adapters(model) with "
@@ -103,7 +114,7 @@ def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: Lo
             node.meta[SAVED_PARAM] = SavedParamRef(module, adapter, name, spec.module_key, spec.adapters,
                                                    tuple(meta.slots))
         if roles.lora is None:
-            ref = _unregistered_ref(node)
+            ref = _excluded_ref(meta, tensor) or _unregistered_ref(node)
             if ref is not None:
                 node.meta[LORA_WEIGHT] = ref
                 found += 1

@@ -21,13 +21,14 @@ import logging
 import threading
 import warnings
 import weakref
-from typing import Callable, List, Mapping, Optional, Tuple
+from typing import Callable, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
 from ..adapters.formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
 from ..adapters.records import SiteSpec
 from ..adapters.saved_modules import SavedModuleSpec, iter_saved_modules
+from ..adapters.unserved import Exclusions, refuse_unserved
 from .device_stacks import DeviceStacks, Site
 from .host_stacks import AdapterStacks
 from .locking import forward as _forward
@@ -59,6 +60,7 @@ class LoRAMetadata(MappingFacade):
         self._stats = Stats()
         self._devices = DeviceStacks(self._adapters, self._stats.count)
         self._pool = AdapterPool(self._adapters, self._devices, self._stats, mapped=self._mapped_names)
+        self._excluded = Exclusions()  # adapters of other PEFT types left out by register_adapters(exclude=)
         self._model = None  # weak reference to the model registered last
         self._server = None  # serves that model (serving.ModelServing): set by make_backend
 
@@ -86,7 +88,8 @@ class LoRAMetadata(MappingFacade):
         return self._adapters.saved
 
     @_locked
-    def register_adapters(self, model: torch.nn.Module, *, adapter_name: str = DEFAULT_ADAPTER) -> List[str]:
+    def register_adapters(self, model: torch.nn.Module, *, adapter_name: str = DEFAULT_ADAPTER,
+                          exclude: Iterable[str] = ()) -> List[str]:
         """Stack every loaded adapter of every LoRA layer of ``model``; return slot names.
 
         LoRA layers are read by the readers of ``formats`` (PEFT, torchtune,
@@ -94,13 +97,23 @@ class LoRAMetadata(MappingFacade):
         the formats that hold one per layer.  A layer that cannot be served
         exactly is refused here (``UnsupportedAdapterError``, naming it).
         Registering again replaces what was registered before.
+
+        A PEFT adapter of another type than LoRA (LoHa, LoKr, AdaLoRA, IA3,
+        VeRA, OFT, ...: its ``peft_type``, or a layer of another tuner holding
+        it) is refused too, unless ``exclude`` names it: ``exclude=["hada"]``
+        serves the other adapters and gives ``hada`` no slot.  An excluded
+        adapter must be inactive and unmerged (refused here otherwise); a graph
+        traced after it was made active refuses every mapping
+        (adapters/unserved.py).  ``exclude`` takes only such adapters.
         """
         sites = list(iter_lora_sites(model, adapter_name))
         saved = list(iter_saved_modules(model))  # refuses, by name, a kind it cannot serve exactly
+        excluded = refuse_unserved(model, exclude, adapter_names(model, sites), saved)
+        saved = excluded.without_excluded(saved)
         if not sites:
             warnings.warn(f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
                           stacklevel=3)  # the caller of the lock's wrapper
-        names = adapter_names(model, sites) if sites or saved else []
+        names = [n for n in adapter_names(model, sites) if n not in excluded.names] if sites or saved else []
         num_slots = self.max_slots if self.max_slots is not None else len(names)
         if len(names) > num_slots:
             raise ValueError(f"{len(names)} adapters {names} do not fit max_slots={num_slots}")
@@ -109,6 +122,7 @@ class LoRAMetadata(MappingFacade):
         self._devices.sites_changed()
         self._pool.sites_changed()
         self._tokens.forget()
+        self._excluded = excluded
         self._model = weakref.ref(model)
         if self._server is not None:
             self._server(model)
@@ -147,11 +161,17 @@ class LoRAMetadata(MappingFacade):
         NaN or inf (after the cast and the scaling).  The adapter stays known by
         name (``add_adapter``), so an eviction can bring it back.
         """
+        self._excluded.refuse_name(name, "load_adapter")
         loaded = self._adapters.validate(name, state, scaling=scaling, config=config)
         self._pool.remember(name, state, loaded, scaling=scaling, config=config)
         return self._pool.load(loaded)
 
-    add_adapter = _forward("_pool", AdapterPool.add)
+    @_locked
+    def add_adapter(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> None:
+        self._excluded.refuse_name(name, "add_adapter")
+        self._pool.add(name, state, scaling=scaling, config=config)
+
+    add_adapter.__doc__ = AdapterPool.add.__doc__
 
     @_locked
     def unload_adapter(self, name: str) -> int:
@@ -178,6 +198,12 @@ class LoRAMetadata(MappingFacade):
         taken at registration go stale; the rewrite refreshes once per graph.
         """
         self._params.refresh(self._adapters.sites.values(), self._adapters.saved.values())
+        self._excluded.refresh()
+
+    @_locked
+    def excluded_weight(self, tensor) -> Optional[Tuple[str, str, str]]:
+        """``(layer, adapter, reason)`` if ``tensor`` belongs to an adapter excluded at register_adapters."""
+        return self._excluded.lookup(tensor)
 
     weight_ref = _forward("_params", ParamIndex.weight_ref)
     lookup = _forward("_params", ParamIndex.lookup)

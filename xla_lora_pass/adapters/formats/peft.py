@@ -6,11 +6,19 @@ PEFT keeps a ``lora_A`` / ``lora_B`` pair per adapter name
 ``lora_magnitude_vector[adapter].weight``.  State-dict keys are
 ``<layer>.lora_A[.<adapter>].weight`` (``save_pretrained`` drops the adapter
 name).  Loading a saved adapter directory is in ``peft_dir.py``.
+
+A ``PeftMixedModel`` wraps a layer once per tuner it adds in turn: LoRA
+"sql", then LoHa "hada", then LoRA "chat" on one module nest as
+``chat(hada(sql(Linear)))``.  The plain LoRA layers of such a chain are read as
+one site (``lora_layers``); the other tuners' adapters are refused or excluded
+by ``adapters/unserved.py``, and an excluded one must be inactive, so each
+layer of the chain passes the same input down.
 """
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
+
 
 from ..records import AdapterWeights, SiteSpec
 from .base import AdapterFormat
@@ -25,6 +33,33 @@ def _lora_layer_type():
     except ImportError:  # peft is optional: other formats need no PEFT
         return None
     return LoraLayer
+
+
+def is_plain_lora(module) -> bool:
+    """A PEFT LoRA layer whose class adds no per-adapter parts of its own.
+
+    AdaLoRA's ``SVDLinear`` subclasses ``LoraLayer`` but adds ``lora_E`` (its
+    forward is ``B (A * E)``): not LoRA.  A LoRA variant (DoRA, ...) adds its
+    parts to the instance, not the class, and stays a LoRA layer.
+    """
+    layer = _lora_layer_type()
+    if layer is None or not isinstance(module, layer):
+        return False
+    return set(type(module).adapter_layer_names) <= set(layer.adapter_layer_names) | {"lora_magnitude_vector"}
+
+
+def lora_layers(module) -> List:
+    """The plain LoRA layers down ``module``'s chain of PEFT tuner layers (``base_layer``), outermost first."""
+    layers = []
+    while module is not None:
+        if is_plain_lora(module):
+            layers.append(module)
+        module = getattr(module, "base_layer", None)
+    return layers
+
+
+def _held(layer) -> set:
+    return set(getattr(layer, "lora_A", {})) | set(getattr(layer, "lora_embedding_A", {}))
 
 
 def _is_dora(module, adapter: str) -> bool:
@@ -50,51 +85,47 @@ class PeftFormat(AdapterFormat):
     name = "peft"
 
     def claims(self, module):
-        layer = _lora_layer_type()
-        return layer is not None and isinstance(module, layer)
+        return is_plain_lora(module)
 
     def read(self, path, module, adapter_name):
-        if len(getattr(module, "lora_embedding_A", {})) > 0:
-            return self._site(path, module, "embedding", module.lora_embedding_A, module.lora_embedding_B)
-        if len(getattr(module, "lora_A", {})) > 0:
-            return self._site(path, module, "linear", module.lora_A, module.lora_B)
+        layers = lora_layers(module)
+        if any(len(getattr(layer, "lora_embedding_A", {})) > 0 for layer in layers):
+            return self._site(path, module, "embedding", layers)
+        if any(len(getattr(layer, "lora_A", {})) > 0 for layer in layers):
+            return self._site(path, module, "linear", layers)
         return None
 
-    def _site(self, path, module, kind, all_a, all_b) -> SiteSpec:
+    def _site(self, path, module, kind, layers) -> SiteSpec:
         adapters: Dict[str, AdapterWeights] = {}
         unsupported = None
-        for adapter, a in all_a.items():
-            b = all_b[adapter]
+        for layer, adapter, a, b in _pairs(layers, kind):
             # Embeddings keep A as [r, vocab] and B as [dim, r] tensors: already [r, in] / [out, r].
             lora_a, lora_b = (a, b) if kind == "embedding" else (a.weight, b.weight)
-            magnitude = module.lora_magnitude_vector[adapter].weight if (
-                kind == "linear" and _is_dora(module, adapter)) else None
+            magnitude = layer.lora_magnitude_vector[adapter].weight if (
+                kind == "linear" and _is_dora(layer, adapter)) else None
             adapters[adapter] = AdapterWeights(
-                lora_a=lora_a, lora_b=lora_b, scaling=float(module.scaling[adapter]),
+                lora_a=lora_a, lora_b=lora_b, scaling=float(layer.scaling[adapter]),
                 bias=getattr(b, "bias", None) if kind == "linear" else None, magnitude=magnitude)
-            unsupported = unsupported or _unsupported_reason(module, adapter, kind)
+            unsupported = unsupported or _unsupported_reason(layer, adapter, kind)
         any_w = next(iter(adapters.values()))
         return SiteSpec(path, kind, any_w.lora_a.shape[1], any_w.lora_b.shape[0], adapters, unsupported, module)
 
     def param_roles(self, module, site):
-        if site.kind == "embedding":
-            for adapter, emb_a in module.lora_embedding_A.items():
-                yield id(emb_a), (adapter, "A")
-                yield id(module.lora_embedding_B[adapter]), (adapter, "B")
-            return
-        for adapter, lin_a in module.lora_A.items():
-            lin_b = module.lora_B[adapter]
-            yield id(lin_a.weight), (adapter, "A")
-            yield id(lin_b.weight), (adapter, "B")
-            if getattr(lin_b, "bias", None) is not None:
-                yield id(lin_b.bias), (adapter, "bias")
-            if _is_dora(module, adapter):
-                yield id(module.lora_magnitude_vector[adapter].weight), (adapter, "magnitude")
+        for layer, adapter, a, b in _pairs(lora_layers(module), site.kind):
+            if site.kind == "embedding":
+                yield id(a), (adapter, "A")
+                yield id(b), (adapter, "B")
+                continue
+            yield id(a.weight), (adapter, "A")
+            yield id(b.weight), (adapter, "B")
+            if getattr(b, "bias", None) is not None:
+                yield id(b.bias), (adapter, "bias")
+            if _is_dora(layer, adapter):
+                yield id(layer.lora_magnitude_vector[adapter].weight), (adapter, "magnitude")
 
     def computed_adapters(self, module, site):
-        if getattr(module, "disable_adapters", False):
-            return []
-        return [a for a in getattr(module, "active_adapters", []) if a in site.adapters]
+        return [a for layer in lora_layers(module) if not getattr(layer, "disable_adapters", False)
+                for a in getattr(layer, "active_adapters", []) if a in _held(layer) and a in site.adapters]
 
     def split_key(self, key):
         parts = key.split(".")
@@ -115,13 +146,28 @@ class PeftFormat(AdapterFormat):
         return weight, getattr(base, "bias", None)
 
 
-# Dynamo names a PEFT weight input e.g. L['self'].base_model...q_proj.lora_A['sql'].weight
-_LORA_SOURCE = re.compile(r"(?:^|\.)(lora_A|lora_B|lora_embedding_A|lora_embedding_B)\W+(\w+)")
+def _pairs(layers, kind):
+    """(layer, adapter, A, B) of every adapter of the chain's layers (A, B modules, or tensors for embeddings)."""
+    for layer in layers:
+        all_a, all_b = ((layer.lora_embedding_A, layer.lora_embedding_B) if kind == "embedding"
+                        else (layer.lora_A, layer.lora_B))
+        for adapter, a in all_a.items():
+            yield layer, adapter, a, all_b[adapter]
 
 
-def lora_param_from_source(source_name: str) -> Optional[Tuple[str, str]]:
-    """(adapter, role) if a Dynamo input source names a PEFT LoRA weight, else None."""
-    m = _LORA_SOURCE.search(source_name)
-    if m is None:
+# Dynamo names a PEFT weight input e.g. L['self']._modules['base_model']..._modules['lora_A']._modules['sql']
+# ._parameters['weight'] (torch 2.9), or L['self'].base_model...q_proj.lora_A['sql'].weight: read as a dotted path.
+_KEY = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\['([^']*)'\]")
+_LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+
+
+def lora_param_from_source(source_name: str) -> Optional[Tuple[str, str, str]]:
+    """(layer path, adapter, role) if a Dynamo input source names a PEFT LoRA weight, else None."""
+    parts = _KEY.sub(lambda m: "." + (m.group(1) or m.group(2)), source_name).split(".")
+    at = next((i for i, p in enumerate(parts[:-1]) if p in _LORA_PARTS), None)
+    if at is None:
         return None
-    return m.group(2), ("A" if m.group(1).endswith("A") else "B")
+    layer = parts[:at]
+    if layer[:2] == ["L", "self"]:  # the compiled module itself: paths from it, as register_adapters names sites
+        layer = layer[2:]
+    return ".".join(layer), parts[at + 1], ("A" if parts[at].endswith("A") else "B")
