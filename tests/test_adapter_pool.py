@@ -53,7 +53,7 @@ def pool_reference(pool, ids, rows, keep=32):
     return eager_reference(model, ids, rows)
 
 
-def _zipf_rows(gen, names, k):
+def zipf_rows(gen, names, k):
     """``k`` rows over ``names`` with Zipf(1.1) popularity (the head adapters recur, the tail swaps)."""
     weights = torch.tensor([1.0 / (i + 1) ** 1.1 for i in range(len(names))])
     picks = torch.multinomial(weights, k, replacement=True, generator=gen).tolist()
@@ -72,7 +72,7 @@ def test_a_zipf_stream_over_256_adapters_through_8_slots(pool, xla_device):
     one_adapter = pool["adapter_bytes"]
     worst, compiles_after_warmup, swap_ratios = 0.0, None, []
     for step in range(STREAM):
-        rows = _zipf_rows(gen, pool["names"], ROWS)
+        rows = zipf_rows(gen, pool["names"], ROWS)
         if step % 5 == 0:
             rows[1] = None  # some rows on the base model
         seq = int(torch.randint(5, 9, (1,), generator=gen))  # one bucket (8): no new program

@@ -2,11 +2,14 @@
 
 After ``register_adapters`` or ``shard`` every copy is made anew at its
 next use.  An adapter swapped into one slot (metadata/pool.py) is written in
-place instead (``write_slot``): one slot's rows cross to the device, once
-for a plain and a transposed copy, so a swap costs one adapter's bytes
-whatever the number of slots; XLA compiles that update once per set of
-stacks and reuses it.  A site is one name, or a tuple of names for sites
-fused on one input (graph_rewrites/passes/fuse_shared_shrink.py): their A stacks
+place instead (``write_slot``): only the rows its adapter uses cross to the
+device (slot_rows.py: a rank-2 adapter at a site of rank 8 sends 2 rows of A
+and 2 columns of B; the device pads them with zeros), once for a plain and a
+transposed copy, so a swap costs the adapter's own bytes whatever the number
+of slots.  Each write is an XLA program per stack shape and row bucket;
+all of a stack's are compiled when it is first sent, so a swap compiles
+nothing.  A site is one name, or a tuple of names for sites fused on one
+input (graph_rewrites/passes/fuse_shared_shrink.py): their A stacks
 concatenated along the rank dim.
 
 Not locked itself: ``LoRAMetadata`` holds its lock around every call.
@@ -18,6 +21,7 @@ from typing import Callable, Dict, Tuple, Union
 import torch
 
 from .host_stacks import AdapterStacks
+from .slot_rows import SlotRow, bucket, buckets
 
 Site = Union[str, Tuple[str, ...]]  # one site, or the sites fused on one input
 
@@ -52,30 +56,39 @@ class DeviceStacks:
     def write_slot(self, slot: int) -> None:
         """Rewrite row ``slot`` of every device copy from the host stacks, in place.
 
-        Each host row crosses once (a transposed copy takes the row sent for
-        the plain one).  A sharded copy is dropped instead and made anew, placed,
-        at its next use: its placement after an in-place write is not
-        something we checked.
+        Each stack's rows in use cross once, cut to their bucket (a transposed
+        copy takes the rows sent for the plain one); the device adds the zeros.
+        A sharded copy is dropped instead and made anew, placed, at its next
+        use: its placement after an in-place write is not something we checked.
         """
         if self.sharding is not None:
             self.forget()
             return
-        sent: Dict[Tuple[Site, str, str], torch.Tensor] = {}
+        sent: Dict[Tuple[Site, str, str], tuple] = {}
+        index: Dict[str, torch.Tensor] = {}  # the slot number, sent once per device
+        total = 0
         for (site, role, device), copy in self._copies.items():
             plain = role[:-2] if role.endswith("_T") else role
-            row = sent.get((site, plain, device))
-            if row is None:
+            if (site, plain, device) not in sent:
+                row = self._host_row(site, plain, slot)
+                rows = bucket(row.used(), row.width)
+                piece = row.piece(rows)
+                total += 0 if piece is None else piece.numel() * piece.element_size()
                 # copy=True: on the CPU a plain "device copy" is the host stack itself, and a row of it
                 # cannot be index-copied into it.
-                row = sent[(site, plain, device)] = self._host_row(site, plain, slot).to(copy.device, copy=True)
-            _write_row(copy, slot, row, transposed=role.endswith("_T"))
-        self._count("bytes_to_device", n=sum(t.numel() * t.element_size() for t in sent.values()))
+                sent[(site, plain, device)] = (row, rows, None if piece is None else piece.to(copy.device, copy=True))
+            row, rows, piece = sent[(site, plain, device)]
+            if device not in index:
+                index[device] = torch.tensor([slot], device=copy.device)
+            _write_row(copy, index[device], row.full(piece, rows, copy.device), transposed=role.endswith("_T"))
+        self._count("bytes_to_device", n=total)
 
-    def _host_row(self, site: Site, role: str, slot: int) -> torch.Tensor:
-        """One slot's host row of a (plain) stack; a fused group's A rows concatenated along the rank."""
+    def _host_row(self, site: Site, role: str, slot: int) -> SlotRow:
+        """One slot's host row of a (plain) stack, as parts along its rank dim; a fused group's A rows one
+        part per site (concatenated along the rank, as the group's stack is)."""
         if isinstance(site, tuple):
-            return torch.cat([self._stacks.host_row(n, "A", slot) for n in site], dim=0)
-        return self._stacks.host_row(site, role, slot)
+            return SlotRow(tuple(self._stacks.host_row(n, "A", slot) for n in site), 0)
+        return SlotRow((self._stacks.host_row(site, role, slot),), {"A": 0, "B": 1}.get(role))
 
     def copies(self) -> Dict[Tuple[Site, str, str], torch.Tensor]:
         """The device copies made so far, by (site, role, device) (e.g. to check their placement)."""
@@ -91,13 +104,23 @@ class DeviceStacks:
             tensor = self._copies[key] = build()
             self._count("bytes_to_device", n=tensor.numel() * tensor.element_size())
             if tensor.device.type == "xla" and self.sharding is None:
-                # Compile the slot write now, with the graph's own first programs (slot 0 rewritten as it
-                # is): a swap never compiles.
-                site, role, _ = key
-                plain = role[:-2] if role.endswith("_T") else role
-                _write_row(tensor, 0, self._host_row(site, plain, 0).to(tensor.device, copy=True),
-                           transposed=role.endswith("_T"))
+                self._warm_writes(key, tensor)
         return self._copies[key]
+
+    def _warm_writes(self, key, tensor: torch.Tensor) -> None:
+        """Compile every write a swap may run on this stack now, with the graph's own first programs, so a
+        swap never compiles: slot 0 is written once per row bucket, its own bucket last (it ends as it was)."""
+        site, role, _ = key
+        plain = role[:-2] if role.endswith("_T") else role
+        row = self._host_row(site, plain, 0)
+        own = bucket(row.used(), row.width)
+        index = torch.tensor([0], device=tensor.device)
+        for rows in [b for b in buckets(row.width) if b != own] + [own]:
+            piece = row.piece(rows)
+            if piece is not None:
+                self._count("bytes_to_device", n=piece.numel() * piece.element_size())
+                piece = piece.to(tensor.device)
+            _write_row(tensor, index, row.full(piece, rows, tensor.device), transposed=role.endswith("_T"))
 
     def stacked_a(self, site: Site, device, transposed: bool = False) -> torch.Tensor:
         """The site's (or fused group's) stacked A ``[N, R, in]`` on ``device`` (``[N, in, R]`` if transposed)."""
@@ -132,14 +155,15 @@ class DeviceStacks:
         return self._cached((site, "dora", str(device)), lambda: self._stacks.host_dora(site).to(device))
 
 
-def _write_row(copy: torch.Tensor, slot: int, row: torch.Tensor, transposed: bool) -> None:
-    """``copy[slot] = row`` (or its transpose) in place; on XLA one small program per stack shape, started now.
+def _write_row(copy: torch.Tensor, index: torch.Tensor, row: torch.Tensor, transposed: bool) -> None:
+    """``copy[index] = row`` (or its transpose) in place; on XLA one small program per stack shape and row
+    bucket, started now.
 
     Each copy is synced on its own so the program depends on its shape alone
     (a sync of several would compile one program per set of stacks); without
     waiting, so the writes of one swap run back to back.
     """
-    copy.index_copy_(0, torch.tensor([slot], device=copy.device), (row.transpose(0, 1) if transposed else row)[None])
+    copy.index_copy_(0, index, (row.transpose(0, 1) if transposed else row)[None])
     if copy.device.type == "xla":
         import torch_xla
 

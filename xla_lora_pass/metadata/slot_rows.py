@@ -1,0 +1,91 @@
+"""One slot's rows of a stack cut to what its adapter uses: what a pool swap sends to the device.
+
+The host stacks pad every adapter to its site's stacked rank R with zeros
+(host_stacks.py), so a rank-2 adapter at a site of R=8 holds 6 zero rows of A
+and 6 zero columns of B.  A swap sends only the rows in use and the device
+pads them back with zeros it makes itself.  A write whose input has r rows is
+an XLA program of its own, so r is rounded up to a bucket (0, then powers of
+two, capped at R: ranks 1, 2, 4, 8 send exactly their rows), and every bucket's
+write is compiled when the stack is first sent (``buckets``), never at a swap.
+Rows in use are read off the rows themselves (the last nonzero one), so a
+slot's rows need no record of its adapter's rank and the copy on the device
+always equals the host row.
+
+A stack row is given as parts along a rank dim: one part for a site's A
+(``[R, in]``, dim 0) or B (``[out, R]``, dim 1), one per site for a fused
+group's A (each site's rows cut to the bucket, then concatenated as the
+group's stack is), or a bias / DoRA row with no rank dim, sent whole or,
+when all zero, not at all (buckets 1 and 0).
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+
+class SlotRow(NamedTuple):
+    """One slot's host row of a stack: its parts and the rank dim they are cut along (None: whole only)."""
+
+    parts: Tuple[torch.Tensor, ...]
+    dim: Optional[int]
+
+    @property
+    def width(self) -> int:
+        """The largest bucket: the stacked rank R (of the widest part), or 1 for a row sent whole."""
+        return 1 if self.dim is None else max(p.shape[self.dim] for p in self.parts)
+
+    def used(self) -> int:
+        """Rows in use: past them every part is zero (1 or 0 for a row without a rank dim)."""
+        if self.dim is None:
+            return int(any(bool(p.ne(0).any()) for p in self.parts))
+        return max(_rows_in_use(p, self.dim) for p in self.parts)
+
+    def piece(self, bucket: int) -> Optional[torch.Tensor]:
+        """The host tensor a write of ``bucket`` rows sends (None for bucket 0: the device writes zeros)."""
+        if bucket == 0:
+            return None
+        if self.dim is None:
+            return self.parts[0]
+        return torch.cat([p.narrow(self.dim, 0, min(bucket, p.shape[self.dim])) for p in self.parts],
+                         self.dim).contiguous()
+
+    def full(self, sent: Optional[torch.Tensor], bucket: int, device) -> torch.Tensor:
+        """The whole row on ``device`` from what was sent: each part's rows, then zeros up to its width."""
+        dtype = self.parts[0].dtype
+        if sent is None:
+            shape = list(self.parts[0].shape)
+            if self.dim is not None:
+                shape[self.dim] = sum(p.shape[self.dim] for p in self.parts)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        if self.dim is None:
+            return sent
+        out: List[torch.Tensor] = []
+        sizes = [min(bucket, p.shape[self.dim]) for p in self.parts]
+        for piece, part in zip(sent.split(sizes, self.dim), self.parts):
+            pad = part.shape[self.dim] - piece.shape[self.dim]
+            if pad:
+                shape = list(piece.shape)
+                shape[self.dim] = pad
+                piece = torch.cat([piece, torch.zeros(shape, dtype=dtype, device=device)], self.dim)
+            out.append(piece)
+        return out[0] if len(out) == 1 else torch.cat(out, self.dim)
+
+
+def bucket(rows: int, width: int) -> int:
+    """The rows a write sends for ``rows`` in use: 0, else the next power of two, at most ``width``."""
+    return 0 if rows <= 0 else min(1 << (rows - 1).bit_length(), width)
+
+
+def buckets(width: int) -> List[int]:
+    """Every bucket of a stack of ``width``: one write program each, compiled when the stack is first sent."""
+    return sorted({0, width} | {1 << k for k in range(width.bit_length()) if 1 << k < width})
+
+
+def _rows_in_use(part: torch.Tensor, dim: int) -> int:
+    nonzero = part.ne(0).movedim(dim, 0).reshape(part.shape[dim], -1).any(dim=1)
+    where = nonzero.nonzero()
+    return int(where[-1]) + 1 if where.numel() else 0
+
+
+__all__ = ["SlotRow", "bucket", "buckets"]
