@@ -94,7 +94,8 @@ def _no_room(caller: str, slots, wanted: List[str], reasons: Mapping[str, str]) 
     advice = [f"split the batch into batches of at most {room} adapters"] if len(wanted) > 1 and room else []
     advice += ["unpin some"] if PINNED in by_reason else []
     advice += ["set a mapping without them first"] if MAPPED in by_reason else []
-    advice = ", ".join(advice + ["create the LoRAMetadata with a larger max_slots"])
+    advice += ["create the LoRAMetadata with a larger max_slots"]
+    advice = ", ".join(advice[:-1]) + (", or " if len(advice) > 1 else "") + advice[-1]
     return (f"{caller}: needs {len(wanted)} adapters {wanted} in slots at once, but there are {len(slots)} slots"
             + (f", {len(held)} of them kept by {held} ({why})" if held else "")
             + f": it needs {len(wanted) + len(held)} slots. {advice[0].upper()}{advice[1:]}")
