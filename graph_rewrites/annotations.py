@@ -57,7 +57,7 @@ class LoRAWeightRef:
 
     site: str
     adapter: Optional[str]  # None for the base weight (role "base")
-    role: str  # "A", "B", "bias", "magnitude" (DoRA) or "base"
+    role: str  # "A", "B", "bias", "magnitude" (DoRA), "slices" (loralib), "scaling" (a scaling tensor) or "base"
     kind: str  # "linear" or "embedding"
     in_features: int
     out_features: int

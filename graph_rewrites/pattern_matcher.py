@@ -44,6 +44,7 @@ class LinearMatch:
     output: fx.Node
     nodes: List[fx.Node]  # every matched compute node, to erase once replaced
     lora_bias: Optional[fx.Node] = None
+    scale_node: Optional[fx.Node] = None  # the tensor the delta is scaled by, when ``scale`` is not a number
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # a pattern's own inputs (DoRA's scale)
 
     @property
@@ -86,7 +87,7 @@ def to_match(match: InternalMatch, pattern: fx.Graph) -> LinearMatch:
     return LinearMatch(
         x=by_name["x"], base=by_name["base"], lora_a=by_name["lora_a"], lora_b=by_name["lora_b"],
         scale=float(scale) if is_number else None, output=match.returning_nodes[0], nodes=compute,
-        lora_bias=by_name.get("lora_bias"),
+        lora_bias=by_name.get("lora_bias"), scale_node=scale if isinstance(scale, fx.Node) else None,
         extra={k: v for k, v in by_name.items() if k not in _NAMED_INPUTS},
     )
 

@@ -7,7 +7,7 @@ package never touches a library's types.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -60,14 +60,18 @@ class SiteSpec:
         return obj if isinstance(obj, torch.Tensor) else None
 
     def param_roles(self) -> Dict[int, Tuple[str, str]]:
-        """id(parameter) -> (adapter, role), read from the live module.
+        """id(tensor) -> (adapter, role), read from the live module.
 
         Read anew each time: ``model.to(xla_device)`` replaces Parameter
         objects, so identities taken at registration would go stale.
         """
+        return {id(tensor): role for tensor, role in self.live_tensors()}
+
+    def live_tensors(self) -> List[Tuple[torch.Tensor, Tuple[str, str]]]:
+        """``(tensor, (adapter, role))`` for every LoRA tensor of the live module (the format's ``param_roles``)."""
         if self.module is None or self.format is None:
-            return {}
-        return dict(self.format.param_roles(self.module, self))
+            return []
+        return list(self.format.param_roles(self.module, self))
 
     def base_parameters(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The base layer's weight as ``[out, in]`` and its bias (or None), read from the live module."""

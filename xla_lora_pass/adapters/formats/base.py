@@ -31,8 +31,9 @@ class AdapterFormat:
         """The site record of a claimed layer (None if it holds no adapter); raises UnsupportedAdapterError."""
         raise NotImplementedError
 
-    def param_roles(self, module, site: SiteSpec) -> Iterator[Tuple[int, Tuple[str, str]]]:
-        """``(id(parameter), (adapter, role))`` for every LoRA parameter of the live module."""
+    def param_roles(self, module, site: SiteSpec) -> Iterator[Tuple[torch.Tensor, Tuple[str, str]]]:
+        """``(tensor, (adapter, role))`` for every LoRA tensor of the live module: its parameters, and any
+        tensor its forward scales the delta by (role "scaling", PEFT after ``prepare_model_for_compiled_hotswap``)."""
         raise NotImplementedError
 
     def computed_adapters(self, module, site: SiteSpec) -> List[str]:
@@ -100,8 +101,8 @@ class OneAdapterFormat(AdapterFormat):
     def param_roles(self, module, site):
         (adapter,) = site.adapters
         a_name, b_name = self.lora_params(module)
-        yield id(module.get_parameter(a_name)), (adapter, "A")
-        yield id(module.get_parameter(b_name)), (adapter, "B")
+        yield module.get_parameter(a_name), (adapter, "A")
+        yield module.get_parameter(b_name), (adapter, "B")
 
     def computed_adapters(self, module, site):
         return list(site.adapters) if self.is_enabled(module) else []

@@ -89,7 +89,7 @@ class LoralibFormat(OneAdapterFormat):
         yield from super().param_roles(module, site)
         if _is_merged_linear(module):
             (adapter,) = site.adapters
-            yield id(module.lora_ind), (adapter, "slices")  # the mask its forward pads the delta with
+            yield module.lora_ind, (adapter, "slices")  # the mask its forward pads the delta with
 
     def stack_pair(self, where, site, lora_a, lora_b):
         if _is_merged_linear(site.module):

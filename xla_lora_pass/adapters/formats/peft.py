@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Tuple
 
+import torch
 
 from ..records import AdapterWeights, SiteSpec
 from .base import AdapterFormat
@@ -113,15 +114,18 @@ class PeftFormat(AdapterFormat):
     def param_roles(self, module, site):
         for layer, adapter, a, b in _pairs(lora_layers(module), site.kind):
             if site.kind == "embedding":
-                yield id(a), (adapter, "A")
-                yield id(b), (adapter, "B")
-                continue
-            yield id(a.weight), (adapter, "A")
-            yield id(b.weight), (adapter, "B")
-            if getattr(b, "bias", None) is not None:
-                yield id(b.bias), (adapter, "bias")
-            if _is_dora(layer, adapter):
-                yield id(layer.lora_magnitude_vector[adapter].weight), (adapter, "magnitude")
+                yield a, (adapter, "A")
+                yield b, (adapter, "B")
+            else:
+                yield a.weight, (adapter, "A")
+                yield b.weight, (adapter, "B")
+                if getattr(b, "bias", None) is not None:
+                    yield b.bias, (adapter, "bias")
+                if _is_dora(layer, adapter):
+                    yield layer.lora_magnitude_vector[adapter].weight, (adapter, "magnitude")
+            scaling = layer.scaling[adapter]
+            if isinstance(scaling, torch.Tensor):  # prepare_model_for_compiled_hotswap: the forward multiplies by it
+                yield scaling, (adapter, "scaling")
 
     def computed_adapters(self, module, site):
         return [a for layer in lora_layers(module) if not getattr(layer, "disable_adapters", False)
