@@ -154,17 +154,18 @@ def demo_llama_with_dora(batch: int = 2, seq_len: int = 6):
 
 
 def demo_llama_with_near_misses(batch: int = 2, seq_len: int = 6):
-    """``demo_llama`` whose v_proj layers scale their delta by a tensor: the v_proj sites are near misses.
+    """``demo_llama`` whose v_proj layers scale their delta per output channel: the v_proj sites are near misses.
 
-    A layer that multiplies by a tensor instead of its adapter's constant
-    scaling (a custom variant) is not the computation the kernels do, so both
+    A layer that multiplies its delta by a vector instead of one number per
+    adapter (a custom variant) is not the computation the kernels do, so both
     v_proj sites are left alone and reported with that reason, while both
-    q_proj sites are rewritten.
+    q_proj sites are rewritten.  (One number held in a tensor, as PEFT's
+    ``prepare_model_for_compiled_hotswap`` makes it, is served.)
     """
     import torch
 
     model, names = tiny_peft_llama()
     for name, module in model.named_modules():
         if name.endswith("v_proj") and hasattr(module, "scaling"):
-            module.scaling[names[0]] = torch.tensor(module.scaling[names[0]])
+            module.scaling[names[0]] = torch.full((module.out_features,), module.scaling[names[0]])
     return model, {"input_ids": _demo_input_ids(batch, seq_len)}

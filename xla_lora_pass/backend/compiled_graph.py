@@ -122,6 +122,8 @@ class CompiledLoRAGraph:
         chosen = self.graph_for_call(token_dims, padded_dims)
         if chosen is not self:
             return chosen(*args)
+        if self.report.sites:  # the stacks this graph reads follow the model's own LoRA tensors
+            self.meta.sync_model_weights()
         key = self._program_key(padded)
         call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
         device = _first_device(args)

@@ -16,7 +16,7 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple, Union
+from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 
@@ -53,8 +53,8 @@ class DeviceStacks:
         if self.sharding is not None:
             self.sharding.forget()
 
-    def write_slot(self, slot: int) -> None:
-        """Rewrite row ``slot`` of every device copy from the host stacks, in place.
+    def write_slot(self, slot: int, sites: Optional[Set[str]] = None) -> None:
+        """Rewrite row ``slot`` of every device copy (of ``sites`` only, if given) from the host stacks, in place.
 
         Each stack's rows in use cross once, cut to their bucket (a transposed
         copy takes the rows sent for the plain one); the device adds the zeros.
@@ -68,6 +68,8 @@ class DeviceStacks:
         index: Dict[str, torch.Tensor] = {}  # the slot number, sent once per device
         total = 0
         for (site, role, device), copy in self._copies.items():
+            if sites is not None and not sites.intersection(site if isinstance(site, tuple) else (site,)):
+                continue
             plain = role[:-2] if role.endswith("_T") else role
             if (site, plain, device) not in sent:
                 row = self._host_row(site, plain, slot)

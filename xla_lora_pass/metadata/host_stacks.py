@@ -10,8 +10,6 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import types
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -23,6 +21,8 @@ from ..adapters.dora import dora_rows, stack_dora
 from ..adapters.formats.peft_dir import read_adapter_dir
 from ..adapters.formats.state import split_state
 from ..adapters.saved_modules import SavedModuleSpec
+from .slot_weights import (check_shapes, check_tensors, host_slot_weights, scaling_for, stack_bias,
+                           write_slot_rows)
 
 
 class LoadedAdapter(NamedTuple):
@@ -52,7 +52,7 @@ class AdapterStacks:
         """Stack every site's adapters into ``slots``; replaces what was registered (nothing on error)."""
         stacks = {s.name: self._stack_site(s, slots) for s in sites}
         dora = {s.name: stack_dora(s, slots) for s in sites if s.has_dora}
-        bias = {s.name: _stack_bias(s, slots) for s in sites if any(w.bias is not None for w in s.adapters.values())}
+        bias = {s.name: stack_bias(s, slots) for s in sites if any(w.bias is not None for w in s.adapters.values())}
         self.slots = list(slots)
         self.sites = types.MappingProxyType({s.name: s for s in sites})
         self.saved = types.MappingProxyType({m.name: m for m in saved})
@@ -69,7 +69,7 @@ class AdapterStacks:
         for slot, name in enumerate(slots):
             if name in site.adapters:
                 where = f"register_adapters: {site.name} adapter {name!r}"
-                _write_slot(stack_a, stack_b, slot, *_host_slot_weights(where, site.adapters[name], dtype))
+                write_slot_rows(stack_a, stack_b, slot, *host_slot_weights(where, site.adapters[name], dtype))
         return stack_a, stack_b
 
     # ---------------------------------------------------------- host stacks
@@ -138,14 +138,14 @@ class AdapterStacks:
         for site_name, roles in per_site.items():
             site, stack_a = self.sites[site_name], self._a[site_name]
             where = f"{caller}: {site_name}"
-            _check_tensors(where, roles["A"], roles["B"])
+            check_tensors(where, roles["A"], roles["B"])
             lora_a, lora_b = roles["A"], roles["B"]
             if site.format is not None:
                 lora_a, lora_b = site.format.stack_pair(where, site, lora_a, lora_b)
-            _check_shapes(where, site, stack_a.shape[1], lora_a, lora_b)
-            weights = AdapterWeights(lora_a, lora_b, _scaling_for(name, site, lora_a.shape[0], scaling, config),
+            check_shapes(where, site, stack_a.shape[1], lora_a, lora_b)
+            weights = AdapterWeights(lora_a, lora_b, scaling_for(name, site, lora_a.shape[0], scaling, config),
                                      magnitude=roles.get("magnitude"))
-            loaded.weights[site_name] = _host_slot_weights(where, weights, stack_a.dtype)
+            loaded.weights[site_name] = host_slot_weights(where, weights, stack_a.dtype)
             if weights.magnitude is None and getattr(config, "use_dora", False):
                 raise KeyError(f"{where}: the config says DoRA but the state has no lora_magnitude_vector for it")
             if weights.magnitude is not None:
@@ -173,7 +173,7 @@ class AdapterStacks:
         self.slots[slot] = name
         for site_name, stack_a in self._a.items():
             if site_name in loaded.weights:
-                _write_slot(stack_a, self._b[site_name], slot, *loaded.weights[site_name])
+                write_slot_rows(stack_a, self._b[site_name], slot, *loaded.weights[site_name])
             else:
                 stack_a[slot].zero_()
                 self._b[site_name][slot].zero_()
@@ -198,88 +198,6 @@ class AdapterStacks:
     def host_row(self, site: str, role: str, slot: int) -> torch.Tensor:
         """One slot's row of a host stack: role "A" ``[R, in]``, "B" ``[out, R]``, "bias" or "dora"."""
         return {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}[role][site][slot]
-
-
-def _stack_bias(site: SiteSpec, slots) -> torch.Tensor:
-    """Host ``[N, out]`` LoRA-bias rows, each scaled by its adapter's scaling; zero where absent."""
-    dtype = next(iter(site.adapters.values())).lora_b.dtype
-    bias = torch.zeros(len(slots), site.out_features, dtype=dtype)
-    for slot, name in enumerate(slots):
-        w = site.adapters.get(name)
-        if w is not None and w.bias is not None:
-            bias[slot] = (w.bias.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
-    return bias
-
-
-def _write_slot(stack_a, stack_b, slot: int, lora_a: torch.Tensor, scaled_b: torch.Tensor) -> None:
-    r = lora_a.shape[0]
-    with torch.no_grad():
-        stack_a[slot].zero_()
-        stack_b[slot].zero_()
-        stack_a[slot, :r] = lora_a
-        stack_b[slot, :, :r] = scaled_b
-
-
-def _check_tensors(where: str, lora_a, lora_b) -> None:
-    for what, t in (("lora_A", lora_a), ("lora_B", lora_b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{where}.{what}: expected a floating-point tensor, got {t.dtype} {list(t.shape)}")
-        if t.layout != torch.strided:
-            raise TypeError(f"{where}.{what}: expected a dense tensor, got layout {t.layout}")
-        if t.device.type == "meta":
-            raise ValueError(f"{where}.{what}: a meta tensor holds no data; give the weights on any "
-                             "real device (they are copied to the host)")
-
-
-def _check_shapes(where: str, site: SiteSpec, max_rank: int, lora_a, lora_b) -> None:
-    r = lora_a.shape[0] if lora_a.dim() == 2 else -1
-    if lora_a.dim() != 2 or lora_a.shape[1] != site.in_features or not 1 <= r <= max_rank:
-        raise ValueError(
-            f"{where}.lora_A: expected [r, {site.in_features}] with 1 <= r <= {max_rank} "
-            f"(the site's stacked rank), got {list(lora_a.shape)}"
-        )
-    if list(lora_b.shape) != [site.out_features, r]:
-        raise ValueError(f"{where}.lora_B: expected {[site.out_features, r]}, got {list(lora_b.shape)}")
-
-
-def _scaling_for(name: str, site: SiteSpec, rank: int, scaling: Optional[float], config) -> float:
-    if scaling is not None:
-        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
-            raise TypeError(f"load_adapter({name!r}): scaling must be a real number, got {scaling!r:.80}")
-        if not math.isfinite(scaling):
-            raise ValueError(f"load_adapter({name!r}): scaling must be finite, got {scaling}")
-        return float(scaling)
-    if hasattr(config, "scaling_for"):  # a saved adapter's config: per-site alpha (alpha_pattern), rsLoRA
-        return config.scaling_for(site.name, rank)
-    if config is not None:
-        alpha = config.lora_alpha
-        return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
-    own = site.format.default_scaling(site, rank) if site.format is not None else None
-    if own is not None:
-        return float(own)  # the layer's own formula (torchtune, loralib), or its scaling at its own rank
-    raise ValueError(f"load_adapter({name!r}): give scaling= or a LoraConfig as config= (site {site.name!r} "
-                     f"has no scaling of its own for rank {rank})")
-
-
-def _host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A and scaling * B as host tensors of the stack dtype; refused if any value is not finite.
-
-    Why refuse: the fused expand multiplies every slot's B by zeros for the
-    tokens on other slots, and 0 * inf is NaN, so one bad slot would reach
-    every token of the batch, not only its own.
-    """
-    with torch.no_grad():
-        lora_a = w.lora_a.detach().to("cpu", dtype)
-        # Folding the scaling into B lets every adapter keep its own alpha/r.
-        scaled_b = (w.lora_b.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
-    for what, t in (("lora_A", lora_a), (f"lora_B * scaling ({w.scaling})", scaled_b)):
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:
-            raise ValueError(f"{where}: {what} has {bad} NaN or inf value(s) (as {dtype}); adapter weights "
-                             "must be finite")
-    return lora_a, scaled_b
 
 
 __all__ = ["AdapterStacks", "LoadedAdapter"]

@@ -34,6 +34,7 @@ from .host_stacks import AdapterStacks
 from .locking import forward as _forward
 from .mapping_facade import MappingFacade
 from .locking import locked as _locked
+from .model_weights import ModelWeights
 from .param_index import ParamIndex
 from .pool import AdapterPool
 from .stats import Stats
@@ -60,6 +61,7 @@ class LoRAMetadata(MappingFacade):
         self._stats = Stats()
         self._devices = DeviceStacks(self._adapters, self._stats.count)
         self._pool = AdapterPool(self._adapters, self._devices, self._stats, mapped=self._mapped_names)
+        self._model_weights = ModelWeights(self._adapters, self._devices, self._pool.source, self._stats.count)
         self._excluded = Exclusions()  # adapters of other PEFT types left out by register_adapters(exclude=)
         self._model = None  # weak reference to the model registered last
         self._server = None  # serves that model (serving.ModelServing): set by make_backend
@@ -121,6 +123,7 @@ class LoRAMetadata(MappingFacade):
         self._params.refresh(sites, saved)
         self._devices.sites_changed()
         self._pool.sites_changed()
+        self._model_weights.watch()
         self._tokens.forget()
         self._excluded = excluded
         self._model = weakref.ref(model)
@@ -164,12 +167,15 @@ class LoRAMetadata(MappingFacade):
         self._excluded.refuse_name(name, "load_adapter")
         loaded = self._adapters.validate(name, state, scaling=scaling, config=config)
         self._pool.remember(name, state, loaded, scaling=scaling, config=config)
-        return self._pool.load(loaded)
+        slot = self._pool.load(loaded)
+        self._model_weights.unwatch(name)  # the slot holds the state's weights now, not the model's
+        return slot
 
     @_locked
     def add_adapter(self, name: str, state, *, scaling: Optional[float] = None, config=None) -> None:
         self._excluded.refuse_name(name, "add_adapter")
         self._pool.add(name, state, scaling=scaling, config=config)
+        self._model_weights.unwatch(name)
 
     add_adapter.__doc__ = AdapterPool.add.__doc__
 
@@ -199,6 +205,9 @@ class LoRAMetadata(MappingFacade):
         """
         self._params.refresh(self._adapters.sites.values(), self._adapters.saved.values())
         self._excluded.refresh()
+        self._model_weights.rebind()
+
+    sync_model_weights = _forward("_model_weights", ModelWeights.sync)
 
     @_locked
     def excluded_weight(self, tensor) -> Optional[Tuple[str, str, str]]:

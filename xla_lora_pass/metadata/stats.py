@@ -12,7 +12,9 @@ BY_SUB_KEY = ("rewrites", "bucket_hits")
 COUNTERS = ("compiles", "rewrites", "bucket_hits", "fallbacks", "padded_tokens", "real_tokens",
             # the adapter pool (metadata/pool.py): adapters written into a slot, adapters they replaced,
             # adapters a mapping named that were in a slot already, adapter weight bytes sent to the device
-            "loads", "evictions", "slot_hits", "bytes_to_device")
+            "loads", "evictions", "slot_hits", "bytes_to_device",
+            # (site, adapter) pairs read again after the model's own LoRA tensors changed (model_weights.py)
+            "weight_refreshes")
 
 
 class Stats:

@@ -82,6 +82,15 @@ def _unsupported_reason(module, adapter: str, kind: str) -> Optional[str]:
     return None
 
 
+def _one_number(scaling) -> float:
+    """The scaling as the stacks fold it in: a float, or a one-element tensor's value (PEFT's
+    ``prepare_model_for_compiled_hotswap``); a larger tensor (a custom per-channel variant) makes the site
+    unsupported, and its first value stands in for the record."""
+    if isinstance(scaling, torch.Tensor):
+        return float(scaling.detach().reshape(-1)[0])
+    return float(scaling)
+
+
 class PeftFormat(AdapterFormat):
     name = "peft"
 
@@ -104,10 +113,13 @@ class PeftFormat(AdapterFormat):
             lora_a, lora_b = (a, b) if kind == "embedding" else (a.weight, b.weight)
             magnitude = layer.lora_magnitude_vector[adapter].weight if (
                 kind == "linear" and _is_dora(layer, adapter)) else None
+            scaling = layer.scaling[adapter]
             adapters[adapter] = AdapterWeights(
-                lora_a=lora_a, lora_b=lora_b, scaling=float(layer.scaling[adapter]),
+                lora_a=lora_a, lora_b=lora_b, scaling=_one_number(scaling),
                 bias=getattr(b, "bias", None) if kind == "linear" else None, magnitude=magnitude)
-            unsupported = unsupported or _unsupported_reason(layer, adapter, kind)
+            unsupported = unsupported or _unsupported_reason(layer, adapter, kind) or (
+                f"adapter {adapter!r} scales its delta by a tensor of shape {list(scaling.shape)}, not one number"
+                if isinstance(scaling, torch.Tensor) and scaling.numel() != 1 else None)
         any_w = next(iter(adapters.values()))
         return SiteSpec(path, kind, any_w.lora_a.shape[1], any_w.lora_b.shape[0], adapters, unsupported, module)
 

@@ -1,0 +1,106 @@
+"""The stacks kept in step with the model's own LoRA tensors after they change in place.
+
+``weight_watch.py`` says which (site, adapter) pairs changed since they were
+stacked; ``ModelWeights.sync`` reads only those again from the live modules
+(the format's own reader, so the scaling, a padded rank, a LoRA bias and DoRA
+magnitudes come as at registration), checks all of them first, and only then
+writes: the slot's host rows and device rows of the changed sites, or the
+kept host copy of an adapter the pool has moved out of its slot.  A change
+that cannot be served (a rank above the site's stacked rank, a value that is
+not finite, ...) raises ``UnsupportedAdapterError`` naming the adapter and
+the site, at every call until the model is put right or registered again;
+nothing is written before it.
+
+Not locked itself: ``LoRAMetadata`` holds its lock around every call.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+from ..adapters.dora import dora_rows
+from ..adapters.records import AdapterWeights
+from ..errors import UnsupportedAdapterError
+from .device_stacks import DeviceStacks
+from .host_stacks import AdapterStacks, LoadedAdapter
+from .slot_weights import check_shapes, check_tensors, host_slot_weights
+from .source import AdapterSource
+from .weight_watch import WeightWatch
+
+
+class ModelWeights:
+    """Re-stacks what changed in the model's LoRA tensors (``sync``), before each compiled call."""
+
+    def __init__(self, stacks: AdapterStacks, devices: DeviceStacks, source: AdapterSource,
+                 count: Callable[..., None]):
+        self._stacks, self._devices, self._source, self._count = stacks, devices, source, count
+        self._watch = WeightWatch()
+
+    def watch(self) -> None:
+        """After ``register_adapters``: every registered adapter holds the model's weights."""
+        self._watch.watch(self._stacks.sites.values())
+
+    def unwatch(self, name: str) -> None:
+        """``name`` is defined by a state or a directory now (``load_adapter``, ``add_adapter``), not the model."""
+        self._watch.unwatch(name)
+
+    def rebind(self) -> None:
+        """Once per new graph: read the watched tensors' objects from the live modules again."""
+        self._watch.rebind(self._stacks.sites.values())
+
+    def sync(self) -> int:
+        """Re-stack what changed in the model's own LoRA tensors since they were stacked (PEFT's
+        ``hotswap_adapter``, ``load_state_dict``, an optimizer step); every compiled call runs it first.
+        Returns the number of (site, adapter) pairs read again."""
+        changed = self._watch.changed()
+        if not changed:
+            return 0
+        reads = {adapter: self._read(adapter, sites) for adapter, sites in changed.items()}  # all checks first
+        for adapter, (rows, fresh) in reads.items():
+            self._write(adapter, rows)
+            for site, weights in fresh.items():
+                self._stacks.sites[site].adapters[adapter] = weights  # the scaling the rewrite checks against
+            self._watch.accept((site, adapter) for site in fresh)
+        pairs = sum(len(sites) for sites in changed.values())
+        self._count("weight_refreshes", n=pairs)
+        return pairs
+
+    def _read(self, adapter: str, sites: List[str]) -> Tuple[LoadedAdapter, Dict[str, AdapterWeights]]:
+        rows, fresh = LoadedAdapter(adapter, {}, {}, {}), {}
+        for name in sites:
+            site = self._stacks.sites[name]
+            where = f"adapter {adapter!r} at {name} (changed in the model since register_adapters)"
+            try:
+                weights = site.format.read(site.name, site.module, adapter).adapters[adapter]
+                check_tensors(where, weights.lora_a, weights.lora_b)
+                check_shapes(where, site, self._stacks.site_rank(name), weights.lora_a, weights.lora_b)
+                rows.weights[name] = host_slot_weights(where, weights, self._stacks.host_a(name).dtype)
+                if (weights.magnitude is None) != (site.adapters[adapter].magnitude is None):
+                    raise ValueError(f"{where}: DoRA was {'added' if weights.magnitude is not None else 'removed'}")
+                if weights.magnitude is not None:
+                    rows.dora[name] = dora_rows(where, site, weights)
+                if weights.bias is not None:  # KeyError: the site was registered without a LoRA bias
+                    rows.bias[name] = (weights.bias.detach().to("cpu").float() * weights.scaling).to(
+                        self._stacks.host_bias(name).dtype)
+            except (KeyError, TypeError, ValueError, UnsupportedAdapterError) as e:
+                raise UnsupportedAdapterError(
+                    f"{e}; the stacks cannot follow this change: call meta.register_adapters(model) again "
+                    "(which recompiles), or load the adapter with meta.load_adapter") from e
+            fresh[name] = weights
+        return rows, fresh
+
+    def _write(self, adapter: str, rows: LoadedAdapter) -> None:
+        """Overlay the changed sites on the adapter's rows: in its slot (host and device), else its kept copy."""
+        if adapter in self._stacks.slots:
+            slot = self._stacks.slots.index(adapter)
+            self._stacks.write(_overlay(self._stacks.snapshot(slot), rows), slot)
+            self._devices.write_slot(slot, set(rows.weights))
+        elif adapter in self._source:  # moved out by the pool: the copy it comes back from
+            self._source.keep(_overlay(self._source.get(adapter), rows))
+
+
+def _overlay(base: LoadedAdapter, rows: LoadedAdapter) -> LoadedAdapter:
+    return LoadedAdapter(base.name, {**base.weights, **rows.weights}, {**base.dora, **rows.dora},
+                         {**base.bias, **rows.bias})
+
+
+__all__ = ["ModelWeights"]

@@ -1,0 +1,162 @@
+"""The model's own LoRA tensors, watched so that the stacks follow what is written into them later.
+
+``register_adapters`` copies each adapter of the model into the stacks.  The
+model's tensors can change afterwards: PEFT's ``hotswap_adapter`` writes
+``param.data`` (which moves no version counter and keeps the pointer), and
+fills ``prepare_model_for_compiled_hotswap``'s scaling tensors in place;
+``load_state_dict`` and an optimizer step write in place;
+``torch.utils.swap_tensors`` and ``param.data = t`` give a parameter new
+storage; a module may be replaced.  ``WeightWatch.changed`` runs before every
+compiled call and names the (site, adapter) pairs whose tensors moved since
+they were stacked, so only those are read again.
+
+A tensor's mark is its object, version counter, shape and storage:
+
+- on XLA the storage is torch_xla's device data handle: a write, through
+  ``.data`` or not, gives the tensor a new one (and until it runs, a pending
+  computation instead, which counts as a change);
+- on the host (CPU) a write through ``.data`` keeps pointer and version, so
+  the mark also holds a copy, compared by value (the LoRA tensors only);
+- on other devices: the data pointer and the version counter only.
+
+Objects are compared as held since the last ``rebind``; ``rebind`` (once per
+new graph, with the parameter index) reads them from the live modules again,
+which is how a replaced module or ``model.to(device)`` is seen.  Only
+adapters whose stacked rows came from the model are watched: ``load_adapter``
+or ``add_adapter`` of the same name replaces that definition (``unwatch``).
+
+Not locked itself: ``LoRAMetadata`` holds its lock around every call.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+
+from ..adapters.records import SiteSpec
+
+Pair = Tuple[str, str]  # (site, adapter)
+
+
+class WeightWatch:
+    """Marks of every watched LoRA tensor, kept flat so that a call with nothing changed costs a few list
+    comparisons (and, for host tensors, a comparison by value)."""
+
+    def __init__(self):
+        self._tensors: Dict[Pair, List[torch.Tensor]] = {}
+        self._dirty: Set[Pair] = set()  # objects replaced (or never stacked): changed whatever their marks
+        self._unwatched: Set[str] = set()
+        self._flat: List[torch.Tensor] = []  # every watched tensor, pair by pair
+        self._owner: List[Pair] = []
+        self._versions: List[int] = []
+        self._storage: list = []
+        self._copies: Dict[int, torch.Tensor] = {}  # flat index -> copy, for the host tensors
+        self._kinds: List[str] = []  # each flat tensor's device type
+        self._xla: List[torch.Tensor] = []
+
+    def watch(self, sites: Iterable[SiteSpec]) -> None:
+        """Watch every adapter of ``sites`` (after ``register_adapters``: all of them came from the model)."""
+        self._tensors, self._dirty, self._unwatched = {}, set(), set()
+        self.rebind(sites)
+        self.accept(list(self._tensors))
+
+    def unwatch(self, adapter: str) -> None:
+        """``adapter`` no longer holds the model's weights (loaded from a state or a directory)."""
+        self._unwatched.add(adapter)
+        for pair in [p for p in self._tensors if p[1] == adapter]:
+            del self._tensors[pair]
+            self._dirty.discard(pair)
+        self._flatten()
+
+    def rebind(self, sites: Iterable[SiteSpec]) -> None:
+        """Read the watched tensors from the live modules; a pair whose objects are not the ones held is changed.
+
+        ``sites`` are the registered records: an adapter the model gained later is not registered, so not watched.
+        """
+        moved = False
+        for site in sites:
+            live: Dict[str, List[torch.Tensor]] = {}
+            for tensor, (adapter, _) in site.live_tensors():
+                if adapter in site.adapters and adapter not in self._unwatched:
+                    live.setdefault(adapter, []).append(tensor)
+            for adapter, tensors in live.items():
+                pair = (site.name, adapter)
+                held = self._tensors.get(pair)
+                if held is None or len(held) != len(tensors) or any(a is not b for a, b in zip(held, tensors)):
+                    self._tensors[pair] = tensors
+                    self._dirty.add(pair)
+                    moved = True
+        if moved:
+            self._flatten()
+
+    def changed(self) -> Dict[str, List[str]]:
+        """``{adapter: [sites]}`` whose watched tensors changed since they were last stacked."""
+        bad = set(self._dirty)
+        versions, storage = [t._version for t in self._flat], self._storage_now()
+        if versions != self._versions or storage != self._storage:
+            bad.update(o for o, v, s, v0, s0 in zip(self._owner, versions, storage, self._versions, self._storage)
+                       if v != v0 or s != s0)
+        # A write through ``.data`` on the host keeps pointer and version: compare by value.
+        bad.update(self._owner[i] for i, copy in self._copies.items()
+                   if self._owner[i] not in bad and not torch.equal(self._flat[i].detach(), copy))
+        out: Dict[str, List[str]] = {}
+        for site, adapter in sorted(bad):
+            out.setdefault(adapter, []).append(site)
+        return out
+
+    def accept(self, pairs: Iterable[Pair]) -> None:
+        """The stacks now hold what ``pairs``' tensors hold: mark them as they are."""
+        pairs = set(pairs)
+        self._dirty -= pairs
+        at = [i for i, owner in enumerate(self._owner) if owner in pairs]
+        storage = self._storage_now()
+        for i in at:
+            t = self._flat[i]
+            self._versions[i], self._storage[i] = t._version, storage[i]
+            if self._kinds[i] == "cpu":
+                self._copies[i] = t.detach().clone()
+
+    def watched(self) -> Set[Pair]:
+        return set(self._tensors)
+
+    def _flatten(self) -> None:
+        """Lay the held tensors out flat again; marks of pairs still held are kept, new ones are dirty."""
+        old = {id(t): (v, s, self._copies.get(i)) for i, (t, v, s) in
+               enumerate(zip(self._flat, self._versions, self._storage))}
+        self._flat = [t for pair in self._tensors for t in self._tensors[pair]]
+        self._owner = [pair for pair in self._tensors for _ in self._tensors[pair]]
+        marks = [old.get(id(t), (None, None, None)) for t in self._flat]
+        self._versions = [v for v, _, _ in marks]
+        self._storage = [s for _, s, _ in marks]
+        self._copies = {i: c for i, (_, _, c) in enumerate(marks) if c is not None}
+        self._kinds = [t.device.type for t in self._flat]
+        self._xla = [t for t, kind in zip(self._flat, self._kinds) if kind == "xla"]
+
+    def _storage_now(self) -> list:
+        """Each tensor's storage: its XLA device data handle (None while a computation is pending, which has
+        none yet), else its data pointer."""
+        if not self._xla:
+            return [t.data_ptr() for t in self._flat]
+        handles = iter(_xla_handles(self._xla))
+        return [next(handles) if kind == "xla" else t.data_ptr() for t, kind in zip(self._flat, self._kinds)]
+
+
+def _xla_handles(xla: List[torch.Tensor]) -> List[Optional[int]]:
+    import torch_xla
+
+    try:
+        return list(torch_xla._XLAC._get_tensors_handle(xla))
+    except RuntimeError:  # one of them is a pending computation (it has no handle yet): ask one by one
+        return [_xla_handle(t) for t in xla]
+
+
+def _xla_handle(t: torch.Tensor) -> Optional[int]:
+    import torch_xla
+
+    try:
+        return torch_xla._XLAC._get_tensors_handle([t])[0]
+    except RuntimeError:
+        return None
+
+
+__all__ = ["WeightWatch"]
