@@ -1,0 +1,141 @@
+"""The model's own LoRA tensors changed in place after register_adapters are served (or refused, by name).
+
+PEFT's ``hotswap_adapter`` on the compiled model (same rank; into the padded
+ranks and scaling tensors of ``prepare_model_for_compiled_hotswap``), a
+``no_grad`` copy into an inactive adapter, a change while the pool holds the
+adapter out of its slot; every result against PEFT run the same way.
+"""
+import copy
+
+import pytest
+import torch
+
+import xla_lora_pass as xlp
+from xla_lora_pass.demo_models import eager_reference, tiny_peft_llama
+
+from .xla_utils import xla_compiles
+
+ROWS = ["sql", "chat", None]
+IDS = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _saved_adapter(tmp_path, name, rank, alpha, seed):
+    """A PEFT adapter directory of another model's weights, named ``name`` (the hotswap target)."""
+    other, _ = tiny_peft_llama(adapters=((name, rank, alpha),), seed=seed)
+    other.save_pretrained(str(tmp_path), selected_adapters=[name])
+    return str(tmp_path / name) if name != "default" else str(tmp_path)
+
+
+def _serve(model, device, rows=ROWS, **meta_kw):
+    meta = xlp.LoRAMetadata(max_num_tokens=64, **meta_kw)
+    model.to(device)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    meta.set_request_adapters(rows)
+    return meta, compiled
+
+
+def _run(compiled, device, ids=IDS):
+    with torch.no_grad():
+        return compiled(input_ids=ids.to(device)).logits.cpu()
+
+
+def _err(got, reference, rows=ROWS):
+    return (got - eager_reference(reference, IDS, rows)).abs().max().item()
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("padded", [False, True], ids=["same_rank", "prepared_for_compiled_hotswap"])
+def test_peft_hotswap_on_the_compiled_model_is_served(xla_device, tmp_path, padded):
+    from peft.utils.hotswap import hotswap_adapter, prepare_model_for_compiled_hotswap
+
+    model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
+    reference = copy.deepcopy(model)
+    if padded:  # scalings become tensors, ranks are padded to 4: a rank-2 adapter of another alpha swaps in
+        prepare_model_for_compiled_hotswap(model, target_rank=4)
+    first = _saved_adapter(tmp_path / "one", "chat", 2 if padded else 4, 6, seed=7)
+    second = _saved_adapter(tmp_path / "two", "chat", 2 if padded else 4, 6, seed=8)
+    meta, compiled = _serve(model, xla_device)
+    assert _err(_run(compiled, xla_device), reference) < 1e-4
+    assert sum(meta.stats["rewrites"].values()) == 4  # q and v of both layers, scaling tensors included
+    compiles = meta.stats["compiles"]
+    for path in (first, second):
+        xla_before = xla_compiles()
+        hotswap_adapter(compiled, path, adapter_name="chat", torch_device=str(xla_device))
+        hotswap_adapter(reference, path, adapter_name="chat", torch_device="cpu")
+        assert _err(_run(compiled, xla_device), reference) < 1e-4
+        assert meta.stats["compiles"] == compiles
+    # The first swap ran PEFT's own copies on the device (programs of PEFT's, once per shape); the second: none.
+    assert xla_compiles() == xla_before
+    assert meta.stats["weight_refreshes"] == 2 * 4  # chat at 4 sites, twice
+
+
+@pytest.mark.compat
+def test_inactive_adapter_written_in_place_and_one_out_of_its_slot(xla_device):
+    """A no_grad copy into the inactive adapter's weights (load_state_dict does the same), and a change made
+    while the pool holds the adapter out of its slot (2 slots, 3 adapters): both served when next used."""
+    model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 8, 16), ("code", 2, 2)))
+    reference = copy.deepcopy(model)
+    meta, compiled = _serve(model, xla_device, rows=["sql", "chat", None], max_slots=3)
+    gen = torch.Generator().manual_seed(3)
+    lora = [n for n, _ in model.named_parameters() if ".lora_B.chat." in n]
+    for name in lora:
+        new = torch.randn(model.get_parameter(name).shape, generator=gen)
+        with torch.no_grad():
+            model.get_parameter(name).copy_(new.to(xla_device))
+            reference.get_parameter(name).copy_(new)
+    assert _err(_run(compiled, xla_device), reference, ["sql", "chat", None]) < 1e-4
+    meta.unload_adapter("code")
+    for name in [n for n, _ in model.named_parameters() if ".lora_A.code." in n]:
+        new = torch.randn(model.get_parameter(name).shape, generator=gen)
+        model.get_parameter(name).data.copy_(new.to(xla_device))  # through .data: no version counter moves
+        reference.get_parameter(name).data.copy_(new)
+    meta.set_request_adapters(["code", "chat", None])  # brings code back from its kept copy
+    assert _err(_run(compiled, xla_device), reference, ["code", "chat", None]) < 1e-4
+
+
+def test_a_change_the_stacks_cannot_hold_is_refused_by_name_and_nothing_changes(xla_device):
+    model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
+    meta, compiled = _serve(model, xla_device)
+    _run(compiled, xla_device)
+    site = next(s for s in meta.sites if s.endswith("q_proj"))
+    before = [t.clone() for t in meta.host_stacks(site)]
+    layer = model.get_submodule(site)
+    with torch.no_grad():  # rank 16 > the site's stacked rank 4
+        torch.utils.swap_tensors(layer.lora_A["chat"].weight, torch.nn.Parameter(torch.ones(16, 32, device=xla_device)))
+    with pytest.raises(xlp.UnsupportedAdapterError, match=r"adapter 'chat' at .*q_proj.*register_adapters"):
+        _run(compiled, xla_device)
+    assert all(torch.equal(a, b) for a, b in zip(before, meta.host_stacks(site)))
+    with pytest.raises(xlp.UnsupportedAdapterError):  # refused at every call until the model is put right
+        _run(compiled, xla_device)
+
+
+def test_an_adapter_loaded_over_a_model_adapter_no_longer_follows_the_model(xla_device):
+    """load_adapter("chat", state) defines chat by the state: a later change of the model's chat is not served."""
+    model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
+    reference = copy.deepcopy(model)
+    meta, compiled = _serve(model, xla_device)
+    state = {k: v.detach().cpu() for k, v in reference.state_dict().items() if ".chat." in k and "lora_" in k}
+    meta.load_adapter("chat", state, scaling=2.0)  # PEFT's own scaling for chat: alpha 8 / rank 4
+    for name, p in model.named_parameters():
+        if ".lora_B.chat." in name:
+            p.data.copy_(torch.zeros_like(p))  # would make chat the base model, if it were followed
+    assert _err(_run(compiled, xla_device), reference) < 1e-4
+    assert meta.stats["weight_refreshes"] == 0
+
+
+def test_host_tensors_written_through_data_are_seen():
+    """On the CPU a write through ``.data`` keeps pointer and version: the watch compares by value."""
+    model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
+    reference = copy.deepcopy(model)
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner="aot_eager"))
+    meta.set_request_adapters(ROWS)
+    _run(compiled, "cpu")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if ".lora_A.chat." in name:
+            new = torch.randn(p.shape, generator=torch.Generator().manual_seed(4))
+            p.data.copy_(new)
+            q.data.copy_(new)
+    assert _err(_run(compiled, "cpu"), reference) < 1e-4
