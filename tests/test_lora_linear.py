@@ -132,3 +132,33 @@ def test_report_format_names_sites():
     assert "1 LoRA sites rewritten, 0 near misses" in text
     assert "base_model.model.proj  [lora_linear]  x[2, 16] -> [2, 8]  rank 4  slots 2" in text
     assert isinstance(report, RewriteReport)
+
+
+def test_peft_scaling_tensor_golden_numerics_and_near_miss(update_golden):
+    """PEFT's prepare_model_for_compiled_hotswap keeps each scaling in a tensor (ranks padded to 8): the
+    delta scaled by its adapter's own one-number tensor is rewritten (the scaling folded into the stacked B);
+    a per-channel tensor in its place is a custom variant, left alone with the reason."""
+    from peft.utils.hotswap import prepare_model_for_compiled_hotswap
+
+    model = peft_two_layer()
+    prepare_model_for_compiled_hotswap(model, target_rank=8)
+    meta = _meta(model)
+    x = torch.randn(3, 8, 16)
+    rows = ["sql", None, "chat"]
+    meta.set_token_adapters([r for r in rows for _ in range(8)])
+    new_gm, _ = check_rewrite(
+        model, [x], meta, rewrites={"lora_linear": 1},
+        ops=shrink_expand_counts(1, 1, also={torch.ops.xla_lora.bgmv_shrink_rows.default: 1}),
+        reference=per_row_reference(model, x, rows), token_dims=(3, 8),
+    )
+    assert lora_weight_uses(new_gm) == 0
+    assert_golden("lora_linear_scaling_tensor", normalize_gm(new_gm), update_golden)
+
+    proj = model.base_model.model.proj
+    proj.scaling["sql"] = torch.full((proj.out_features,), float(proj.scaling["sql"]))
+    meta = _meta(model)
+    (gm, example_inputs), = capture_graphs(model, torch.randn(2, 16))
+    new_gm, report = xlp.rewrite(gm, example_inputs, meta)
+    [miss] = report.near_misses
+    assert report.sites == [] and "scales its delta by a tensor of shape [" in miss.reason
+    assert normalize_gm(new_gm) == normalize_gm(gm)
