@@ -14,7 +14,10 @@ A tensor's mark is its object, version counter, shape and storage:
 
 - on XLA the storage is torch_xla's device data handle: a write, through
   ``.data`` or not, gives the tensor a new one (and until it runs, a pending
-  computation instead, which counts as a change);
+  computation instead, which counts as a change).  A handle is a buffer's
+  address: writes through ``.data`` between two calls whose last buffer
+  lands at the marked buffer's freed address would look like none; the version counter
+  still tells any write that is not through ``.data``;
 - on the host (CPU) a write through ``.data`` keeps pointer and version, so
   the mark also holds a copy, compared by value (the LoRA tensors only);
 - on other devices: the data pointer and the version counter only.
@@ -115,9 +118,6 @@ class WeightWatch:
             self._versions[i], self._storage[i] = t._version, storage[i]
             if self._kinds[i] == "cpu":
                 self._copies[i] = t.detach().clone()
-
-    def watched(self) -> Set[Pair]:
-        return set(self._tensors)
 
     def _flatten(self) -> None:
         """Lay the held tensors out flat again; marks of pairs still held are kept, new ones are dirty."""
