@@ -10,14 +10,14 @@ storage; a module may be replaced.  ``WeightWatch.changed`` runs before every
 compiled call and names the (site, adapter) pairs whose tensors moved since
 they were stacked, so only those are read again.
 
-A tensor's mark is its object, version counter, shape and storage:
+A tensor's mark is its object, version counter and storage (new shapes come with new storage):
 
 - on XLA the storage is torch_xla's device data handle: a write, through
   ``.data`` or not, gives the tensor a new one (and until it runs, a pending
   computation instead, which counts as a change).  A handle is a buffer's
   address: writes through ``.data`` between two calls whose last buffer
-  lands at the marked buffer's freed address would look like none; the version counter
-  still tells any write that is not through ``.data``;
+  lands at the marked buffer's freed address would look like none; the
+  version counter still tells any write that is not through ``.data``;
 - on the host (CPU) a write through ``.data`` keeps pointer and version, so
   the mark also holds a copy, compared by value (the LoRA tensors only);
 - on other devices: the data pointer and the version counter only.
