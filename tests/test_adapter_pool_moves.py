@@ -89,3 +89,18 @@ def test_prefetch_reads_no_directory_of_an_adapter_in_a_slot(saved, monkeypatch)
     assert reads == [saved["dirs"]["code"]]  # chat is in a slot: nothing to read; code is not
     meta.set_request_adapters(["code", "chat"])  # code comes from the prefetched copy
     assert reads == [saved["dirs"]["code"]]
+
+
+def test_add_adapter_under_a_name_in_a_slot_writes_the_new_definition_now(saved):
+    """add_adapter("chat", code's directory) while chat sits in a slot under the mapping: the next call serves
+    the new definition (before, the slot kept the old rows until an eviction)."""
+    torch._dynamo.reset()
+    meta, compiled = _serving(saved)
+    meta.set_request_adapters(["sql", "chat"])
+    assert _error(saved, compiled, ["sql", "chat"]) < 1e-4
+    meta.add_adapter("chat", saved["dirs"]["code"])
+    assert meta.slots == ["sql", "chat"]
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = compiled(input_ids=ids).logits
+    assert (out - eager_reference(saved["reference"], ids, ["sql", "code"])).abs().max().item() < 1e-4

@@ -126,11 +126,17 @@ class AdapterPool:
 
         ``state`` as for ``load_adapter``: a directory is read when a slot
         needs it (or on ``prefetch``), a state dict is checked now and kept as
-        a host copy.
+        a host copy.  A name already in a slot is written into it now.
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"add_adapter: the adapter name must be a non-empty str, got {name!r:.80}")
-        if isinstance(state, (str, os.PathLike)):
+        if name in self._stacks.slots:
+            # A new definition of an adapter in a slot: written now (read and checked first), or the slot
+            # would serve the old rows until an eviction.
+            loaded = self._stacks.validate(name, state, scaling=scaling, config=config)
+            self.remember(name, state, loaded, scaling=scaling, config=config)
+            self._write(loaded, self._stacks.slots.index(name))
+        elif isinstance(state, (str, os.PathLike)):
             self.source.add_dir(name, state, scaling=scaling, config=config)
         else:
             self.source.keep(self._stacks.validate(name, state, scaling=scaling, config=config))
