@@ -205,7 +205,7 @@ class LoRAMetadata(MappingFacade):
         """
         self._params.refresh(self._adapters.sites.values(), self._adapters.saved.values())
         self._excluded.refresh()
-        self._model_weights.rebind()
+        self._model_weights.refresh()
 
     sync_model_weights = _forward("_model_weights", ModelWeights.sync)
 

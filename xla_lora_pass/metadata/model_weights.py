@@ -43,9 +43,20 @@ class ModelWeights:
         """``name`` is defined by a state or a directory now (``load_adapter``, ``add_adapter``), not the model."""
         self._watch.unwatch(name)
 
-    def rebind(self) -> None:
-        """Once per new graph: read the watched tensors' objects from the live modules again."""
+    def refresh(self) -> None:
+        """Once per new graph, before its rewrite: read the watched tensors' objects from the live modules
+        again, and re-stack what changed.
+
+        Dynamo traces a new graph when a change alters what it guards on (PEFT's hotswap writing a new
+        float scaling); the rewrite checks each site's scaling against the stacked one, so the change must
+        be stacked first, or the new scaling reads as a near miss.  A change that cannot be served is left
+        for the call: ``sync`` raises it there, before any program runs, at every call.
+        """
         self._watch.rebind(self._stacks.sites.values())
+        try:
+            self.sync()
+        except UnsupportedAdapterError:
+            pass
 
     def sync(self) -> int:
         """Re-stack what changed in the model's own LoRA tensors since they were stacked (PEFT's
@@ -89,13 +100,17 @@ class ModelWeights:
         return rows, fresh
 
     def _write(self, adapter: str, rows: LoadedAdapter) -> None:
-        """Overlay the changed sites on the adapter's rows: in its slot (host and device), else its kept copy."""
+        """Overlay the changed sites on the adapter's rows: in its slot (host and device), and its kept copy.
+
+        The pool keeps a host copy of a model adapter when it first leaves its slot and takes no new one
+        at later evictions, so that copy must follow a change made while the adapter is in its slot too.
+        """
+        if adapter in self._source:  # the copy the pool brings it back from (a watched adapter has no directory)
+            self._source.keep(_overlay(self._source.get(adapter), rows))
         if adapter in self._stacks.slots:
             slot = self._stacks.slots.index(adapter)
             self._stacks.write(_overlay(self._stacks.snapshot(slot), rows), slot)
             self._devices.write_slot(slot, set(rows.weights))
-        elif adapter in self._source:  # moved out by the pool: the copy it comes back from
-            self._source.keep(_overlay(self._source.get(adapter), rows))
 
 
 def _overlay(base: LoadedAdapter, rows: LoadedAdapter) -> LoadedAdapter:
