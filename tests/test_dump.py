@@ -150,7 +150,7 @@ def test_console_script_backend_mode_reports_compiles(tmp_path):
     out = tmp_path / "dump.txt"
     run = subprocess.run(
         [os.path.join(BIN, "xla-lora-dump"), "tests.test_dump:two_layer_factory", "--backend", "--format", "text",
-         "--buckets", "pow2:8:64", "--max-num-tokens", "64", "-o", str(out)],
+         "--buckets", "pow2:8:64", "--max-num-tokens", "64", "--inner", "aot_eager", "-o", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     text = out.read_text()
@@ -196,7 +196,7 @@ def _compile_two_sizes(meta):
     """One PEFT site compiled through the backend and called with 2 then 3 rows: two Dynamo compiles."""
     model = peft_two_layer()
     meta.register_adapters(model)
-    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(min=8, max=64))
+    backend = xlp.make_backend(meta, buckets=xlp.Buckets.pow2(min=8, max=64), inner="aot_eager")
     compiled = torch.compile(model, backend=backend)
     torch._dynamo.reset()
     with torch.no_grad():

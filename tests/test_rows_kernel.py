@@ -7,7 +7,7 @@ import torch
 
 import xla_lora_pass as xlp
 from xla_lora_pass.kernels import masked as ops
-from xla_lora_pass.backend import xla_cpu_flags
+from xla_lora_pass.runtimes import xla_cpu_flags
 from xla_lora_pass.demo_models import eager_reference, per_sequence_mapping, tiny_peft_llama
 from xla_lora_pass.errors import UnsupportedMappingError
 

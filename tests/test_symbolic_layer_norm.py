@@ -1,15 +1,15 @@
-"""xla_lora_pass/symbolic_layer_norm.py: layer_norm traced with symbolic sizes on XLA, nothing else changed."""
+"""xla_lora_pass/runtimes/xla_layer_norm.py: layer_norm traced with symbolic sizes on XLA, nothing else changed."""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from xla_lora_pass.backend import symbolic_layer_norm
+from xla_lora_pass.runtimes import xla_layer_norm
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _installed():
-    assert symbolic_layer_norm.install() == "installed"
+    assert xla_layer_norm.install() == "installed"
 
 
 def _compiled_dynamic(fn):
@@ -18,11 +18,11 @@ def _compiled_dynamic(fn):
 
 
 def test_install_is_once_per_process():
-    assert symbolic_layer_norm.install() == "installed" == symbolic_layer_norm.status()
+    assert xla_layer_norm.install() == "installed" == xla_layer_norm.status()
 
 
 def test_has_symbolic_size_only_for_symbolic_sizes():
-    assert not symbolic_layer_norm.has_symbolic_size(torch.zeros(2, 3, 4), [4])
+    assert not xla_layer_norm.has_symbolic_size(torch.zeros(2, 3, 4), [4])
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -30,8 +30,8 @@ def test_has_symbolic_size_only_for_symbolic_sizes():
     tokens = shape_env.create_unbacked_symint()
     with FakeTensorMode(shape_env=shape_env):
         fake = torch.empty(tokens, 4)
-    assert symbolic_layer_norm.has_symbolic_size(fake, [4])
-    assert symbolic_layer_norm.has_symbolic_size(torch.zeros(2, 4), [tokens])
+    assert xla_layer_norm.has_symbolic_size(fake, [4])
+    assert xla_layer_norm.has_symbolic_size(torch.zeros(2, 4), [tokens])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

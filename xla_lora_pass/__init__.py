@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from .backend import xla_cpu_flags  # first: XLA reads XLA_FLAGS when its runtime starts
+from .runtimes import xla_cpu_flags  # first: XLA reads XLA_FLAGS when its runtime starts
 from . import config
 from .kernels import table as _kernel_table  # noqa: F401  registers torch.ops.xla_lora before any pass runs
 from .backend import LoRABackend, make_backend

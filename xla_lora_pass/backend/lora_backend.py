@@ -20,18 +20,18 @@ from ..metadata import LoRAMetadata
 from ..serving import ModelServing
 from ..serving.generate import warm_generate
 from ..shapes import Buckets
-from . import symbolic_layer_norm
+from .. import runtimes
 from .compiled_graph import CompiledLoRAGraph, GraphContext
 from .rewrite import rewrite
-from .xla_cpu_flags import CPU_SCHEDULER_STATUS
 
 log = logging.getLogger(__name__)
 
 
-def _inner_compiler(inner: Union[str, Callable, None], example_inputs: Sequence) -> Callable:
+def inner_compiler(inner: Union[str, Callable, None], example_inputs: Sequence) -> Callable:
+    """The compile backend each bucket's program goes to: ``inner`` (a backend or its registered name), else
+    the inner backend of the runtime of the graph's inputs (runtimes/: "openxla", "tpu" or "inductor")."""
     if inner is None:
-        on_xla = any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in example_inputs)
-        inner = "openxla" if on_xla else "aot_eager"
+        inner = runtimes.for_inputs(example_inputs).inner_backend
     if isinstance(inner, str):
         from torch._dynamo import lookup_backend
 
@@ -44,7 +44,7 @@ class LoRABackend:
 
     def __init__(self, meta: LoRAMetadata, buckets: Optional[Buckets] = None,
                  inner: Union[str, Callable, None] = None, batch_buckets: Optional[Buckets] = None,
-                 settings: Optional[config.Settings] = None):
+                 settings: Optional[config.Settings] = None, static_shapes: Optional[bool] = None):
         self.meta = meta
         self.settings = settings if settings is not None else config.snapshot()
         self.buckets = buckets if buckets is not None else Buckets.pow2(min=8, max=meta.max_num_tokens)
@@ -52,6 +52,7 @@ class LoRABackend:
         # of 2 padded to 8 would cost 4x for nothing.
         self.batch_buckets = batch_buckets if batch_buckets is not None else Buckets.pow2(min=1, max=self.buckets.max)
         self.inner = inner
+        self.static_shapes = static_shapes  # None: as the inner backend takes them (static_shapes_for)
         self.graphs: List["CompiledLoRAGraph"] = []
         self.warming_kernel: Optional[str] = None  # precompile: the kernel every call runs while set
         self.context = GraphContext(meta, self.buckets, self.batch_buckets, self.settings,
@@ -67,6 +68,13 @@ class LoRABackend:
         self.graphs.append(compiled)
         return compiled
 
+    def static_shapes_for(self, example_inputs: Sequence) -> bool:
+        """Whether a graph with these inputs goes to its inner backend as one static graph per bucket: as
+        ``static_shapes`` says, else as the inner backend needs (runtimes.static_shapes_only: TorchTPU's)."""
+        if self.static_shapes is not None:
+            return self.static_shapes
+        return runtimes.static_shapes_only(self.inner, example_inputs)
+
     def rewrite_and_wrap(self, gm: fx.GraphModule, example_inputs: Sequence, kernel: str) -> "CompiledLoRAGraph":
         """Rewrite Dynamo's graph with ``kernel`` and wrap it (its programs compile on first call)."""
         new_gm, report = rewrite(gm, example_inputs, self.meta, kernel=kernel, settings=self.settings)
@@ -74,7 +82,7 @@ class LoRABackend:
         # Every compile: TORCH_TRACE artifacts always, files only when dump_dir is set.
         dump_graphs(self.settings.dump_dir, gm, new_gm, report)
         compiled = CompiledLoRAGraph(self.context, new_gm, report, len(example_inputs),
-                                     _inner_compiler(self.inner, example_inputs))
+                                     inner_compiler(self.inner, example_inputs))
         if kernel == AUTO and report.sites:
             # For mappings "auto"'s first choice cannot run: the same Dynamo graph rewritten with another
             # kernel, made the first time one comes (Dynamo's graph is never edited, so it can be reread).
@@ -149,25 +157,30 @@ def progress_bar(items, label: str, enabled: bool = True):
 
 
 def make_backend(meta: LoRAMetadata, buckets: Optional[Buckets] = None, inner: Union[str, Callable, None] = None,
-                 batch_buckets: Optional[Buckets] = None, settings: Optional[config.Settings] = None) -> LoRABackend:
+                 batch_buckets: Optional[Buckets] = None, settings: Optional[config.Settings] = None,
+                 static_shapes: Optional[bool] = None) -> LoRABackend:
     """The backend for ``torch.compile(model, backend=make_backend(meta))``.
+
+    ``inner``: the compile backend of each bucket's program (a backend or its
+    name); default the device's (runtimes/): "openxla" on torch_xla's
+    ``xla``, "tpu" on TorchTPU's ``tpu``, "inductor" on CPU and CUDA.
+    ``static_shapes``: True hands ``inner`` one graph per bucket specialised
+    to its sizes, for a backend that takes no symbolic shapes; default as the
+    inner backend needs (True for TorchTPU's "tpu").
 
     ``settings``: default ``config.snapshot()``, the module's values now,
     read once.  The registered model (now, and after every later
     ``register_adapters``) gets this backend's eager guard and ``generate``
     route, replacing an earlier backend's.
     """
-    symbolic_layer_norm.install()  # before Dynamo traces: LayerNorm models need it to bucket
+    runtimes.before_tracing()  # before Dynamo traces (torch_xla: LayerNorm models need it to bucket)
     # torch_xla turns automatic dynamic shapes off when imported, so every new token count would be a new
     # static graph (and past recompile_limit, eager).  torch.compile(dynamic=False) still opts out.
     if not torch._dynamo.config.automatic_dynamic_shapes:
         log.info("turning Dynamo's automatic_dynamic_shapes back on (torch_xla turns it off) for bucketing")
         torch._dynamo.config.automatic_dynamic_shapes = True
-    if CPU_SCHEDULER_STATUS.startswith("too late"):
-        log.warning("XLA:CPU started before xla_lora_pass was imported, so it keeps its breadth-first scheduler, "
-                    "measured 1.4x slower on LoRA graphs here: import xla_lora_pass before the first "
-                    "torch_xla.device(), or set XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false")
-    backend = LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets, settings=settings)
+    backend = LoRABackend(meta, buckets=buckets, inner=inner, batch_buckets=batch_buckets, settings=settings,
+                          static_shapes=static_shapes)
     previous = meta.set_server(backend.serving)
     if previous is not None:
         previous.detach()

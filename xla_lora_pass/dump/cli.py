@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from graph_rewrites import RewriteReport
 
+from .. import runtimes
 from ..shapes.bucketing import Buckets
 from ..metadata.lora_metadata import LoRAMetadata
 from ..backend.rewrite import capture_graphs as capture
@@ -150,9 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buckets", help="pow2:MIN:MAX, pow2_then_gap:MIN:GAP:MAX or 8,16,64 "
                                      "(default pow2:8:MAX_NUM_TOKENS, as make_backend)")
     p.add_argument("--max-num-tokens", type=int, default=8192, help="LoRAMetadata(max_num_tokens=...)")
-    p.add_argument("--device", choices=("cpu", "xla"), default="cpu",
-                   help="where the model runs; xla uses torch_xla (PJRT_DEVICE=CPU unless set)")
-    p.add_argument("--inner", help="inner backend for --backend (default: openxla on XLA, aot_eager off it)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu, cuda, xla (torch_xla; PJRT_DEVICE=CPU unless set) or tpu "
+                        "(TorchTPU)")
+    p.add_argument("--inner", help="inner backend for --backend (default: the device's: openxla on xla, tpu on "
+                                   "tpu, inductor otherwise)")
     p.add_argument("--no-graphs", action="store_true", help="text format: the report and tables only")
     p.add_argument("-v", "--verbose", action="store_true", help="log the pass at INFO level")
     return p
@@ -188,11 +191,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model, args, kwargs = call_factory(load_factory(opts.factory))
     except DumpError as exc:
         parser.error(str(exc))
-    if opts.device == "xla":
-        os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla loads: no accelerator needed
-        import torch_xla
-
-        device = torch_xla.device()
+    if opts.device != "cpu":
+        if opts.device == "xla":
+            os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla loads: no accelerator needed
+        device = runtimes.open_device(opts.device)
         model, args, kwargs = model.to(device), _to_device(args, device), _to_device(kwargs, device)
     meta = LoRAMetadata(max_num_tokens=opts.max_num_tokens)
     meta.register_adapters(model)

@@ -6,11 +6,11 @@ place instead (``write_slot``): only the rows its adapter uses cross to the
 device (slot_rows.py: a rank-2 adapter at a site of rank 8 sends 2 rows of A
 and 2 columns of B; the device pads them with zeros), once for a plain and a
 transposed copy, so a swap costs the adapter's own bytes whatever the number
-of slots.  Each write is an XLA program per stack shape and row bucket;
-all of a stack's are compiled when it is first sent, so a swap compiles
-nothing.  A site is one name, or a tuple of names for sites fused on one
-input (graph_rewrites/passes/fuse_shared_shrink.py): their A stacks
-concatenated along the rank dim.
+of slots.  On a runtime where a write is a compiled program (XLA: one per
+stack shape and row bucket), all of a stack's are compiled when it is first
+sent, so a swap compiles nothing.  A site is one name, or a tuple of names
+for sites fused on one input (graph_rewrites/passes/fuse_shared_shrink.py):
+their A stacks concatenated along the rank dim.
 
 Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
@@ -20,6 +20,7 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 
+from .. import runtimes
 from .host_stacks import AdapterStacks
 from .slot_rows import SlotRow, bucket, buckets
 
@@ -97,7 +98,7 @@ class DeviceStacks:
         return dict(self._copies)
 
     def _annotated(self, tensor: torch.Tensor, place) -> torch.Tensor:
-        if self.sharding is not None and tensor.device.type == "xla":
+        if self.sharding is not None and runtimes.for_device(tensor.device).spmd:
             place(self.sharding)
         return tensor
 
@@ -105,7 +106,7 @@ class DeviceStacks:
         if key not in self._copies:
             tensor = self._copies[key] = build()
             self._count("bytes_to_device", n=tensor.numel() * tensor.element_size())
-            if tensor.device.type == "xla" and self.sharding is None:
+            if runtimes.for_device(tensor.device).compiles_writes and self.sharding is None:
                 self._warm_writes(key, tensor)
         return self._copies[key]
 
@@ -158,18 +159,10 @@ class DeviceStacks:
 
 
 def _write_row(copy: torch.Tensor, index: torch.Tensor, row: torch.Tensor, transposed: bool) -> None:
-    """``copy[index] = row`` (or its transpose) in place; on XLA one small program per stack shape and row
-    bucket, started now.
-
-    Each copy is synced on its own so the program depends on its shape alone
-    (a sync of several would compile one program per set of stacks); without
-    waiting, so the writes of one swap run back to back.
-    """
+    """``copy[index] = row`` (or its transpose) in place, started now (on XLA one small program per stack
+    shape and row bucket: runtimes/xla.py)."""
     copy.index_copy_(0, index, (row.transpose(0, 1) if transposed else row)[None])
-    if copy.device.type == "xla":
-        import torch_xla
-
-        torch_xla._XLAC._xla_sync_multi([copy], devices=[], wait=False)
+    runtimes.for_device(copy.device).after_write(copy)
 
 
 def _to_device(host: torch.Tensor, device, transposed: bool) -> torch.Tensor:

@@ -25,7 +25,7 @@ means replicated on every device.
 Where the layout comes from, per site: the ``layout`` rule the user passes
 (``{"q_proj": "column", "o_proj": "row", ...}`` keyed by the last component
 of the site's module path, or a callable ``site_name -> layout``), else the
-base weight's own sharding spec (``torch_xla._XLAC._get_xla_sharding_spec``),
+base weight's own sharding spec (``Runtime.sharding_spec``, runtimes/xla.py),
 read the first time the site's device copy is made, so shard the base
 weights first.  Either way the layout only decides memory and communication:
 any layout gives the same result (SPMD keeps the program's semantics).
@@ -37,6 +37,8 @@ import re
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+
+from .. import runtimes
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,6 @@ def megatron_shard_llama(model: torch.nn.Module, mesh, axis: str = "model") -> D
     their bias, if any); row-parallel o/down: sharded on in.  Everything else
     (embeddings, norms, lm_head, LoRA weights) is left replicated.
     """
-    import torch_xla.distributed.spmd as xs
-
     done = {}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or ".lora_" in f".{name}":
@@ -72,12 +72,13 @@ def megatron_shard_llama(model: torch.nn.Module, mesh, axis: str = "model") -> D
         parts = name.split(".")
         leaf = parts[-2] if parts[-1] == "base_layer" else parts[-1]
         layout = MEGATRON_LLAMA.get(leaf)
+        runtime = runtimes.for_device(module.weight.device)
         if layout == COLUMN:
-            xs.mark_sharding(module.weight, mesh, (axis, None))
+            runtime.mark_sharding(module.weight, mesh, (axis, None))
             if module.bias is not None:
-                xs.mark_sharding(module.bias, mesh, (axis,))
+                runtime.mark_sharding(module.bias, mesh, (axis,))
         elif layout == ROW:
-            xs.mark_sharding(module.weight, mesh, (None, axis))
+            runtime.mark_sharding(module.weight, mesh, (None, axis))
         else:
             continue
         done[name] = layout
@@ -153,13 +154,11 @@ class AdapterSharding:
 
     def _from_base_weight(self, site_name: str) -> str:
         """Read the layout off the base layer's weight sharding spec (replicated if it has none)."""
-        import torch_xla
-
         site = self.meta.sites[site_name]
         weight = site.base_weight()
-        if weight is None or weight.dim() != 2 or weight.device.type != "xla":
+        if weight is None or weight.dim() != 2:
             return REPLICATED
-        tiles = tile_dims(torch_xla._XLAC._get_xla_sharding_spec(weight))
+        tiles = tile_dims(runtimes.for_device(weight.device).sharding_spec(weight))
         if tiles is None:
             return REPLICATED
         out_dim = _out_dim(site, weight)
@@ -209,21 +208,17 @@ class AdapterSharding:
 
         ``transposed``: the row kernel's copies, last two dims swapped, so their specs are too.
         """
-        import torch_xla.distributed.spmd as xs
-
         spec_a, spec_b = self.partition_specs(site_name)
         if transposed:
             spec_a = None if spec_a is None else (*spec_a[:-2], spec_a[-1], spec_a[-2])
             spec_b = None if spec_b is None else (*spec_b[:-2], spec_b[-1], spec_b[-2])
         if stack_a is not None:
-            xs.mark_sharding(stack_a, self.mesh, spec_a)
+            runtimes.for_device(stack_a.device).mark_sharding(stack_a, self.mesh, spec_a)
         if stack_b is not None and spec_b is not None:
-            xs.mark_sharding(stack_b, self.mesh, spec_b)
+            runtimes.for_device(stack_b.device).mark_sharding(stack_b, self.mesh, spec_b)
 
     def place_bias(self, site_name: str, bias: torch.Tensor) -> None:
-        import torch_xla.distributed.spmd as xs
-
-        xs.mark_sharding(bias, self.mesh, self.bias_spec(site_name))
+        runtimes.for_device(bias.device).mark_sharding(bias, self.mesh, self.bias_spec(site_name))
 
 
 def _out_dim(site, weight: torch.Tensor) -> int:
@@ -239,10 +234,8 @@ def _out_dim(site, weight: torch.Tensor) -> int:
 
 def shard_bytes(tensor: torch.Tensor) -> Tuple[int, int]:
     """(bytes of the largest local shard of ``tensor``, bytes of the whole tensor), from the device buffers."""
-    import torch_xla
-
     whole = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "xla" or not torch_xla._XLAC._get_xla_sharding_spec(tensor):
+    shards = runtimes.for_device(tensor.device).local_shards(tensor)
+    if shards is None:
         return whole, whole  # not annotated: replicated under SPMD, or a single device
-    shards = torch_xla._XLAC._get_local_shards([tensor])[0]
-    return max(s.numel() * s.element_size() for s, _ in shards), whole
+    return max(s.numel() * s.element_size() for s in shards), whole

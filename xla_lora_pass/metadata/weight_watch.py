@@ -10,7 +10,8 @@ storage; a module may be replaced.  ``WeightWatch.changed`` runs before every
 compiled call and names the (site, adapter) pairs whose tensors moved since
 they were stacked, so only those are read again.
 
-A tensor's mark is its object, version counter and storage (new shapes come with new storage):
+A tensor's mark is its object, version counter and storage (new shapes come with new storage,
+and its runtime says what marks it: ``Runtime.storage_marks``):
 
 - on XLA the storage is torch_xla's device data handle: a write, through
   ``.data`` or not, gives the tensor a new one (and until it runs, a pending
@@ -36,6 +37,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
+from .. import runtimes
 from ..adapters.records import SiteSpec
 
 Pair = Tuple[str, str]  # (site, adapter)
@@ -55,7 +57,8 @@ class WeightWatch:
         self._storage: list = []
         self._copies: Dict[int, torch.Tensor] = {}  # flat index -> copy, for the host tensors
         self._kinds: List[str] = []  # each flat tensor's device type
-        self._xla: List[torch.Tensor] = []
+        # Per runtime: its flat indices and tensors, whose storage marks it reads in one call.
+        self._groups: List[Tuple[runtimes.Runtime, List[int], List[torch.Tensor]]] = []
 
     def watch(self, sites: Iterable[SiteSpec]) -> None:
         """Watch every adapter of ``sites`` (after ``register_adapters``: all of them came from the model)."""
@@ -130,33 +133,21 @@ class WeightWatch:
         self._storage = [s for _, s, _ in marks]
         self._copies = {i: c for i, (_, _, c) in enumerate(marks) if c is not None}
         self._kinds = [t.device.type for t in self._flat]
-        self._xla = [t for t, kind in zip(self._flat, self._kinds) if kind == "xla"]
+        groups: Dict[runtimes.Runtime, List[int]] = {}
+        for i, t in enumerate(self._flat):
+            groups.setdefault(runtimes.for_device(t.device), []).append(i)
+        self._groups = [(runtime, at, [self._flat[i] for i in at]) for runtime, at in groups.items()]
 
-    def _storage_now(self) -> list:
-        """Each tensor's storage: its XLA device data handle (None while a computation is pending, which has
-        none yet), else its data pointer."""
-        if not self._xla:
-            return [t.data_ptr() for t in self._flat]
-        handles = iter(_xla_handles(self._xla))
-        return [next(handles) if kind == "xla" else t.data_ptr() for t, kind in zip(self._flat, self._kinds)]
-
-
-def _xla_handles(xla: List[torch.Tensor]) -> List[Optional[int]]:
-    import torch_xla
-
-    try:
-        return list(torch_xla._XLAC._get_tensors_handle(xla))
-    except RuntimeError:  # one of them is a pending computation (it has no handle yet): ask one by one
-        return [_xla_handle(t) for t in xla]
-
-
-def _xla_handle(t: torch.Tensor) -> Optional[int]:
-    import torch_xla
-
-    try:
-        return torch_xla._XLAC._get_tensors_handle([t])[0]
-    except RuntimeError:
-        return None
+    def _storage_now(self) -> List[Optional[int]]:
+        """Each tensor's storage mark, as its runtime reads it (XLA: the device data handle, None while a
+        computation is pending; elsewhere the data pointer)."""
+        if len(self._groups) == 1:
+            return self._groups[0][0].storage_marks(self._groups[0][2])
+        marks: List[Optional[int]] = [None] * len(self._flat)
+        for runtime, at, tensors in self._groups:
+            for i, mark in zip(at, runtime.storage_marks(tensors)):
+                marks[i] = mark
+        return marks
 
 
 __all__ = ["WeightWatch"]

@@ -1,0 +1,90 @@
+"""torch_xla's ``xla`` device: "openxla", lazy tensors, writes started by a sync, SPMD by annotation.
+
+Every call into torch_xla the package makes is here or in the two modules
+this one uses (``xla_cpu_flags.py``: XLA:CPU's scheduler flag, set when the
+package is imported; ``xla_layer_norm.py``: ``layer_norm`` with symbolic
+sizes).  torch_xla is imported only by the calls that need it, so the
+package imports without it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import xla_cpu_flags, xla_layer_norm
+from .generic import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class XLARuntime(Runtime):
+    """torch_xla: programs compiled by "openxla", which takes symbolic shapes (each bucket's program is
+    still compiled from its static example inputs); tensors are lazy, so a write runs when synced."""
+
+    name = "xla"
+    device_type = "xla"
+    inner_backend = "openxla"
+    compiles_writes = True  # a lazy write is an XLA program per stack shape
+    spmd = True
+
+    def open_device(self, name: str) -> torch.device:
+        """torch_xla's default device (on the CPU when ``PJRT_DEVICE=CPU``; set it before this call)."""
+        import torch_xla
+
+        return torch_xla.device()
+
+    def before_tracing(self) -> None:
+        xla_layer_norm.install()  # LayerNorm models need it to bucket
+        if xla_cpu_flags.CPU_SCHEDULER_STATUS.startswith("too late"):
+            log.warning("XLA:CPU started before xla_lora_pass was imported, so it keeps its breadth-first "
+                        "scheduler, measured 1.4x slower on LoRA graphs here: import xla_lora_pass before the "
+                        "first torch_xla.device(), or set "
+                        "XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false")
+
+    def after_write(self, tensor: torch.Tensor) -> None:
+        """Sync the written tensor alone, so the program depends on its shape only (a sync of several would
+        compile one program per set of stacks), without waiting, so the writes of one swap run back to back."""
+        import torch_xla
+
+        torch_xla._XLAC._xla_sync_multi([tensor], devices=[], wait=False)
+
+    def storage_marks(self, tensors: Sequence[torch.Tensor]) -> List[Optional[int]]:
+        """Each tensor's device data handle: a write, through ``.data`` or not, gives it a new one (None while a
+        computation is pending: it has no handle yet, which counts as a change)."""
+        import torch_xla
+
+        try:
+            return list(torch_xla._XLAC._get_tensors_handle(list(tensors)))
+        except RuntimeError:  # one of them is a pending computation: ask one by one
+            return [_handle(t) for t in tensors]
+
+    def sharding_spec(self, tensor: torch.Tensor) -> Optional[str]:
+        import torch_xla
+
+        return torch_xla._XLAC._get_xla_sharding_spec(tensor) or None
+
+    def mark_sharding(self, tensor: torch.Tensor, mesh, spec: tuple) -> None:
+        import torch_xla.distributed.spmd as xs
+
+        xs.mark_sharding(tensor, mesh, spec)
+
+    def local_shards(self, tensor: torch.Tensor) -> Optional[List[torch.Tensor]]:
+        import torch_xla
+
+        if not self.sharding_spec(tensor):
+            return None
+        return [shard for shard, _ in torch_xla._XLAC._get_local_shards([tensor])[0]]
+
+
+def _handle(t: torch.Tensor) -> Optional[int]:
+    import torch_xla
+
+    try:
+        return torch_xla._XLAC._get_tensors_handle([t])[0]
+    except RuntimeError:
+        return None
+
+
+RUNTIME = XLARuntime()
