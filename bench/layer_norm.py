@@ -2,7 +2,7 @@
 
     python bench/layer_norm.py [--tokens 512] [--dim 512] [--layers 8] [--reps 7]
 
-xla_lora_pass/backend/symbolic_layer_norm.py sends ``layer_norm`` calls with symbolic
+xla_lora_pass/runtimes/xla_layer_norm.py sends ``layer_norm`` calls with symbolic
 sizes (Dynamo's shape propagation) to torch's decomposition and every other
 call to torch_xla's kernel.  This measures what that choice is worth: the
 same model, ``layers`` x (LayerNorm -> Linear -> GELU), fp32 and bf16,

@@ -64,7 +64,7 @@ def _close(out, ref, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_every_lora_module_rewritten_on_xla(family, dtype, xla_device):
     # No Dynamo reset between cases: a GPT-2 after a Llama is traced dynamically at once
-    # (PeftModel.forward's frame is already dynamic), which needs symbolic_layer_norm.py.
+    # (PeftModel.forward's frame is already dynamic), which needs runtimes/xla_layer_norm.py.
     model = _llama(dtype) if family == "llama" else _gpt2(dtype)
     peft_layers = sum(isinstance(m, LoraLayer) for m in model.modules())
     names = list(model.peft_config)

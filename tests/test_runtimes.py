@@ -67,6 +67,42 @@ def test_static_shapes_follow_the_inner_backend_unless_make_backend_says():
     assert not xlp.make_backend(meta, inner="tpu", static_shapes=False).static_shapes_for(cpu)
 
 
+class _SetMarks(runtimes.Runtime):
+    """A runtime whose storage marks the test sets (what XLA's data handles are to the watch)."""
+
+    def __init__(self):
+        self.marks = {}
+
+    def storage_marks(self, tensors):
+        return [self.marks.get(id(t), 0) for t in tensors]
+
+
+class _Site:
+    """What the watch reads of a registered site: its name, adapters and live tensors."""
+
+    def __init__(self, name, tensors):
+        self.name, self.adapters, self._tensors = name, set(tensors), tensors
+
+    def live_tensors(self):
+        return [(t, (adapter, "A")) for adapter, ts in self._tensors.items() for t in ts]
+
+
+def test_the_weight_watch_asks_each_tensor_s_runtime_for_its_storage(monkeypatch):
+    from xla_lora_pass.metadata.weight_watch import WeightWatch
+
+    device = _SetMarks()
+    monkeypatch.setitem(runtimes.RUNTIMES, "meta", device)
+    host, on_device, other = torch.zeros(2), torch.empty(2, device="meta"), torch.empty(3, device="meta")
+    watch = WeightWatch()
+    watch.watch([_Site("q", {"x": [host, on_device], "y": [other]})])
+    assert watch.changed() == {}
+    device.marks[id(other)] = 1  # new storage, as only its runtime can tell
+    assert watch.changed() == {"y": ["q"]}
+    watch.accept([("q", "y")])
+    host.data.copy_(torch.ones(2))  # the host tensor through .data: seen by value
+    assert watch.changed() == {"x": ["q"]}
+
+
 # TorchTPU stood in for: PrivateUse1 renamed "tpu" with a device module, fake tensors on it, and a "tpu"
 # compile backend registered as torch_tpu registers its own.
 FAKE_TPU = """
