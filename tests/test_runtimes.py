@@ -143,16 +143,12 @@ def test_a_tpu_device_gets_torch_tpu_s_backend_and_static_shapes():
     assert _run(FAKE_TPU).strip() == "ok"
 
 
+# torch_xla as if not installed: the path finder does not find it (import fails, find_spec says None).
 HIDDEN_TORCH_XLA = """
-import importlib.abc, sys
-
-class Hide(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] == "torch_xla":
-            raise ImportError(f"{name} is hidden")
-        return None
-
-sys.meta_path.insert(0, Hide())
+import importlib.machinery, sys
+find = importlib.machinery.PathFinder.find_spec
+importlib.machinery.PathFinder.find_spec = classmethod(
+    lambda cls, name, path=None, target=None: None if name.split(".")[0] == "torch_xla" else find(name, path, target))
 import torch
 import xla_lora_pass as xlp
 from xla_lora_pass.runtimes import xla_layer_norm
@@ -163,8 +159,17 @@ print(xla_layer_norm.status())
 """
 
 
+HIDE_TORCH_XLA = HIDDEN_TORCH_XLA[:HIDDEN_TORCH_XLA.index("import torch\n")]
+
+
 def test_the_package_imports_and_makes_a_backend_without_torch_xla():
     assert _run(HIDDEN_TORCH_XLA).strip() == "skipped: torch_xla is not installed"
+
+
+def test_the_demo_runs_on_the_cpu_with_inductor_without_torch_xla():
+    """The README's demo where torch_xla is not installed: mixed rows and generate exact against eager PEFT."""
+    out = _run(HIDE_TORCH_XLA + "from xla_lora_pass.demo import main\nraise SystemExit(main())\n")
+    assert "device, inner backend: cpu, inductor" in out and out.strip().endswith("OK"), out
 
 
 def test_the_default_cpu_path_compiles_with_inductor_exact_against_peft():

@@ -10,7 +10,6 @@ tokens printed next to eager PEFT's.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
@@ -26,6 +25,17 @@ def xla_compiles(on_xla: bool):
     import torch_xla.debug.metrics as met
 
     return met.metric_data("CompileTime")[0]
+
+
+def pick_device():
+    """torch_xla's device where torch_xla is installed (XLA:CPU unless ``PJRT_DEVICE`` says), else the CPU."""
+    from xla_lora_pass import runtimes
+
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        return runtimes.open_device("cpu")
+    return runtimes.open_device("xla")
 
 
 def main() -> int:
@@ -44,8 +54,8 @@ def main() -> int:
         peft_tokens = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, pad_token_id=0,
                                      adapter_names=adapter_names)[:, prompt.shape[1]:]
 
-    on_xla = importlib.util.find_spec("torch_xla") is not None
-    device = runtimes.open_device("xla" if on_xla else "cpu")
+    device = pick_device()
+    on_xla = device.type == "xla"
     model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=1024)
     slots = meta.register_adapters(model)

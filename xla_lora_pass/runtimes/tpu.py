@@ -18,10 +18,10 @@ tested.  Written against TorchTPU's announced interface, and assuming:
 - ``meta.shard`` (torch_xla SPMD annotations) does not apply: TorchTPU
   splits tensors with DTensor, which the stacks do not follow yet.
 
-This package never imports ``torch_tpu`` itself and never requires it.
-tests/test_runtimes.py checks the choice of this runtime and the static graph
-path on the CPU with a renamed PrivateUse1 device and a stand-in "tpu"
-backend that refuses symbolic sizes, as TorchTPU's does.
+This package imports ``torch_tpu`` only in ``open_device`` and never
+requires it.  tests/test_runtimes.py checks, on the CPU, that fake tensors of
+a PrivateUse1 device renamed ``tpu`` get this runtime, a stand-in "tpu"
+compile backend and ``static_shapes``; nothing here ran on a TPU.
 """
 from __future__ import annotations
 
