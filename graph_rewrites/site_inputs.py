@@ -21,6 +21,7 @@ from .annotations import (BASE_WEIGHT, LORA_WEIGHT, ROW_SLOTS, SEGMENT_BLOCK_SLO
                           SORTED_GATHER, SORTED_INVERSE, TOKEN_INDICES, GraphInputRequest, LoRAWeightRef)
 from .fx_values import size_expr
 from .context import RewriteContext
+from .transposes import is_matrix_transpose
 
 
 def dims_key(dims) -> Tuple[str, ...]:
@@ -49,7 +50,7 @@ def _token_dims_of_use(user: fx.Node) -> Optional[Tuple]:
         return _activation_dims(user.args[0])
     if user.op == "call_function" and user.target is torch.nn.functional.embedding:
         return _shape(user.args[0])
-    if user.target in ("t", "T") or (user.op == "call_function" and user.target is getattr):
+    if is_matrix_transpose(user):
         for inner in user.users:
             dims = _token_dims_of_use(inner)
             if dims is not None:
@@ -79,7 +80,7 @@ def find_token_layout(gm: fx.GraphModule) -> Optional[Tuple]:
             continue
         for user in node.users:
             activation = next((a for a in user.all_input_nodes if a is not node), None)
-            if user.target in ("t", "T") or user.target is getattr:
+            if is_matrix_transpose(user):
                 activation = next((a for u in user.users for a in u.all_input_nodes if a is not user), None)
             if activation is None or not _depends_on_inputs(activation, memo):
                 continue

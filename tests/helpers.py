@@ -1,7 +1,6 @@
 """Shared test helpers: graph capture, golden files, and the one rewrite check."""
 from __future__ import annotations
 
-import os
 import re
 from typing import Callable, Dict, Optional, Sequence
 
@@ -10,7 +9,7 @@ import torch.fx as fx
 
 import xla_lora_pass as xlp
 
-GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
+from .golden_graphs import GOLDEN_DIR, assert_golden, normalize_gm  # noqa: F401 (the tests import them from here)
 
 
 def capture_graphs(fn: Callable, *args, **kwargs):
@@ -88,33 +87,6 @@ def two_layer_per_token(model, x, mapping):
             outs[None] = model(x)
         model.set_adapter("sql")
     return torch.stack([outs[m][i] for i, m in enumerate(mapping)])
-
-
-def normalize_gm(gm: fx.GraphModule) -> str:
-    """The readable graph without source paths and line numbers, for golden files."""
-    text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    keep = []
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not stripped or stripped.startswith("# File:") or stripped.startswith("# No stacktrace"):
-            continue
-        keep.append(line.rstrip())
-    return "\n".join(keep) + "\n"
-
-
-def assert_golden(name: str, text: str, update: bool) -> None:
-    """Compare ``text`` with tests/golden/<name>.txt; ``--update-golden`` rewrites the file."""
-    path = os.path.join(GOLDEN_DIR, f"{name}.txt")
-    if update or not os.path.exists(path):
-        if not update:
-            raise AssertionError(f"missing golden file {path}: run pytest --update-golden and review it")
-        os.makedirs(GOLDEN_DIR, exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-        return
-    with open(path) as f:
-        expected = f.read()
-    assert text == expected, f"graph differs from {path} (run pytest --update-golden and review the diff)"
 
 
 def count_ops(gm: fx.GraphModule, target) -> int:

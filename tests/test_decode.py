@@ -6,6 +6,7 @@ import torch
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import per_sequence_mapping, tiny_peft_llama
 
+from .golden_graphs import transformers_variant
 from .helpers import assert_golden, capture_graphs, count_ops, lora_weight_uses, normalize_gm
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -35,7 +36,8 @@ def test_decode_graph_runs_the_row_kernel_with_fused_qkv_shrink(update_golden):
     assert count_ops(new_gm, torch.ops.xla_lora.bgmv_expand_rows.default) == 3
     assert count_ops(new_gm, torch.ops.xla_lora.bgmv_shrink.default) == 0
     assert lora_weight_uses(new_gm) == 0
-    assert_golden("lora_linear_decode", normalize_gm(new_gm), update_golden)
+    # The whole Llama graph: transformers 5 builds masks and rotary embeddings with other ops than 4.
+    assert_golden("lora_linear_decode", normalize_gm(new_gm), update_golden, variant=transformers_variant())
 
 
 def test_row_kernel_min_tokens_still_sends_short_rows_to_the_masked_kernel(monkeypatch):

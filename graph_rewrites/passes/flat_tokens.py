@@ -21,11 +21,9 @@ import torch.nn.functional as F
 
 from .. import fx_utils
 from ..fx_values import size_expr
+from ..transposes import reorders_dims
 
 _RESHAPES = {"reshape", "view", torch.reshape}
-# Ops that move or mix rows: a reshape of their result does not flatten the layout in token order.
-_REORDERS = {"transpose", "permute", "swapaxes", "movedim", "t", "mT", torch.transpose, torch.permute,
-             torch.swapaxes, torch.movedim, torch.t}
 # Row-wise ops: output row i is computed from row i of every token-sized tensor input.
 _ROW_WISE = {
     torch._C._nn.linear, F.linear, F.layer_norm, F.rms_norm, F.relu, torch.relu, F.gelu, F.silu, F.mish,
@@ -58,7 +56,7 @@ def _flattens_layout(node: fx.Node, layout: Sequence) -> bool:
     shape, source_shape = _shape(node), _shape(source)
     if shape is None or source_shape is None or len(source_shape) <= len(layout):
         return False
-    if source.op in ("call_function", "call_method") and source.target in _REORDERS:
+    if reorders_dims(source):  # a transposed or permuted source is not in token order
         return False
     flat = sympy.Mul(*(_expr(d) for d in layout))
     return (_same(source_shape[: len(layout)], layout) and sympy.expand(_expr(shape[0])) == sympy.expand(flat)

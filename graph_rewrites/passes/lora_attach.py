@@ -44,6 +44,7 @@ from ..patterns.lora_linear import apply_site_dora
 from ..context import RewriteContext
 from ..report import NearMiss, SiteRewrite
 from ..site_inputs import device_of, site_indices, stacked_input
+from ..transposes import is_matrix_transpose
 
 PATTERN_NAME = "lora_attach"
 
@@ -76,13 +77,8 @@ def _flat_source(x2d: fx.Node) -> fx.Node:
 
 
 def _is_transpose(node: fx.Node, weight: fx.Node) -> bool:
-    """``weight.t()`` / ``.T`` / ``.transpose(0, 1)``: how loralib's ``fan_in_fan_out`` layers read [in, out]."""
-    if node.op == "call_method" and node.args and node.args[0] is weight:
-        return node.target == "t" or (node.target == "transpose" and set(node.args[1:]) == {0, 1})
-    if node.op == "call_function" and node.args and node.args[0] is weight:
-        return (node.target in (torch.t, torch.transpose) and set(node.args[1:]) <= {0, 1}) or (
-            node.target is getattr and node.args[1:] == ("T",))
-    return False
+    """``weight.t()`` / ``.T`` / ``.transpose(0, 1)`` ...: how loralib's ``fan_in_fan_out`` layers read [in, out]."""
+    return bool(node.args) and node.args[0] is weight and is_matrix_transpose(node)
 
 
 def base_op(use: fx.Node, weight: fx.Node, kind: str) -> Optional[BaseOp]:

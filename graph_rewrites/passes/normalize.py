@@ -1,7 +1,7 @@
 """The ``normalize`` pass: strip identities the patterns would otherwise need variants for, and find the token layout.
 
-Eval dropout, a None bias, an in-place ``+=`` on a fresh result, ``.T`` /
-``.transpose(0, 1)`` of a LoRA weight, an embedding's gradient-only
+Eval dropout, a None bias, an in-place ``+=`` on a fresh result, any
+transpose of a LoRA weight (``.T`` is ``getattr`` or ``aten.numpy_T`` by torch version), an embedding's gradient-only
 arguments, a store into fresh zeros: each has one canonical form after this
 pass, so each pattern is written once.
 """
@@ -18,6 +18,7 @@ from ..fx_values import example_value
 from ..annotations import LORA_WEIGHT
 from ..context import RewriteContext
 from ..site_inputs import find_token_layout
+from ..transposes import is_matrix_transpose
 from .flat_tokens import flat_token_nodes
 
 
@@ -113,26 +114,18 @@ def functionalize_fresh_index_puts(gm: fx.GraphModule) -> int:
     return changed
 
 
-def _is_matrix_transpose(node: fx.Node) -> bool:
-    """``w.T``, ``w.transpose(0, 1)`` / ``(1, 0)`` / ``(-1, -2)`` ... on a 2-d tensor."""
-    value = example_value(node.args[0]) if node.args else None
-    if not isinstance(value, torch.Tensor) or value.dim() != 2:
-        return False
-    if node.op == "call_function" and node.target is getattr:
-        return node.args[1] in ("T", "mT")
-    if node.op == "call_method" and node.target == "transpose" and len(node.args) == 3:
-        return {d % 2 for d in node.args[1:] if isinstance(d, int)} == {0, 1}
-    return False
-
-
 def canonicalize_weight_transposes(gm: fx.GraphModule) -> int:
-    """Every transpose of a LoRA weight placeholder -> ``w.t()``: one form for the patterns to match."""
+    """Every transpose of a LoRA weight placeholder -> ``w.t()``: one form for the patterns to match.
+
+    Whatever form the torch version recorded it in (``getattr(w, "T")``, ``aten.numpy_T``, ``aten.mT``,
+    ``transpose``, ``permute``, ...: ``transposes.is_matrix_transpose``).
+    """
     changed = 0
     for placeholder in gm.graph.find_nodes(op="placeholder"):
         if LORA_WEIGHT not in placeholder.meta:
             continue
         for user in list(placeholder.users):
-            if user.args and user.args[0] is placeholder and _is_matrix_transpose(user) and not (
+            if user.args and user.args[0] is placeholder and is_matrix_transpose(user) and not (
                     user.op == "call_method" and user.target == "t"):
                 user.op, user.target, user.args, user.kwargs = "call_method", "t", (placeholder,), {}
                 changed += 1

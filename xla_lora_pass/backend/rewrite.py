@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 import graph_rewrites
+from graph_rewrites.dynamo_sources import keep_source_names, node_source_name
 from graph_rewrites import (BASE_WEIGHT, LORA_WEIGHT, SAVED_PARAM, LoRAWeightRef, NearMiss, RewriteContext,
                             RewriteReport, SavedParamRef)
 
@@ -62,6 +63,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
+    keep_source_names(gm.graph, graph)  # the copy has no grapharg: tools and golden files read the names
     return fx.GraphModule(gm, graph)
 
 
@@ -71,9 +73,8 @@ def _unregistered_ref(node: fx.Node) -> Optional[LoRAWeightRef]:
     Left unmarked it would compute its adapter for every token behind the
     mapping guard's back; marked, it is a near miss and the guard sees it.
     """
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    hit = lora_param_from_source(source.name()) if source is not None else None
+    name = node_source_name(node)
+    hit = lora_param_from_source(name) if name is not None else None
     if hit is None:
         return None
     site, adapter, role = hit

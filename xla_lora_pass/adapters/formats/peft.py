@@ -16,10 +16,11 @@ layer of the chain passes the same input down.
 """
 from __future__ import annotations
 
-import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from graph_rewrites.dynamo_sources import attribute_path
 
 from ..records import AdapterWeights, SiteSpec
 from .base import AdapterFormat
@@ -172,14 +173,14 @@ def _pairs(layers, kind):
 
 
 # Dynamo names a PEFT weight input e.g. L['self']._modules['base_model']..._modules['lora_A']._modules['sql']
-# ._parameters['weight'] (torch 2.9), or L['self'].base_model...q_proj.lora_A['sql'].weight: read as a dotted path.
-_KEY = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\['([^']*)'\]")
+# ._parameters['weight'] (torch 2.9), L['self'].__dict__['_modules']['base_model']... (newer torch), or
+# L['self'].base_model...q_proj.lora_A['sql'].weight: all read as one dotted path (graph_rewrites.dynamo_sources).
 _LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
 def lora_param_from_source(source_name: str) -> Optional[Tuple[str, str, str]]:
     """(layer path, adapter, role) if a Dynamo input source names a PEFT LoRA weight, else None."""
-    parts = _KEY.sub(lambda m: "." + (m.group(1) or m.group(2)), source_name).split(".")
+    parts = attribute_path(source_name).split(".")
     at = next((i for i, p in enumerate(parts[:-1]) if p in _LORA_PARTS), None)
     if at is None:
         return None
