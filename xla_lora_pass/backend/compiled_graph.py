@@ -25,6 +25,7 @@ from ..errors import UnsupportedMappingError
 from ..kernels.table import AUTO, FALLBACK, FIRST, GraphInputs, choose, kernels_run
 from ..metadata import NO_LORA, LoRAMetadata
 from ..shapes.bucketing import Buckets, GraphShapes, evaluate
+from .program_inputs import ProgramInputs
 from .rewrite import copy_graph_module
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class CompiledLoRAGraph:
         self._inputs = GraphInputs(self.extra_requests)
         layout = report.token_layout if report.sites else None
         self.shapes = GraphShapes.analyze(gm, num_args, layout)
+        self.program_inputs = ProgramInputs(gm, num_args, self.shapes)
         if self.shapes.not_bucketable:
             log.info("graph compiled per exact shape: %s", self.shapes.not_bucketable)
         self.leftovers = unrewritten_lora_weights(gm)
@@ -124,8 +126,9 @@ class CompiledLoRAGraph:
             return chosen(*args)
         if self.report.sites:  # the stacks this graph reads follow the model's own LoRA tensors
             self.meta.sync_model_weights()
-        key = self._program_key(padded)
+        key = self.program_inputs.key(padded)
         call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
+        call_args = self.program_inputs.contiguous(call_args)
         device = _first_device(args)
         extras = self._inputs(self.meta, device, token_dims, padded_dims)
         program = self.programs.get(key)
@@ -200,15 +203,6 @@ class CompiledLoRAGraph:
         if not free <= set(bindings):
             return None
         return tuple(evaluate(d, bindings) for d in self.leftover_layout)
-
-    def _program_key(self, padded) -> tuple:
-        """One program per key: every size symbol's value (padded for token dims, real for the others).
-
-        A program is specialised on every size of its inputs, not only the
-        token dims: a KV-cache or encoder length that changes under the same
-        token dims must get its own program, never reuse another's.
-        """
-        return tuple((str(s), padded[s]) for s in sorted(padded, key=str))
 
     def _padded_bindings(self, bindings):
         if self.shapes.not_bucketable:
