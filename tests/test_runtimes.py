@@ -179,7 +179,8 @@ def test_the_default_cpu_path_compiles_with_inductor_exact_against_peft():
 
     model, _ = tiny_peft_llama(targets=("q_proj", "v_proj", "down_proj"))
     ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(1))
-    calls = [(["sql", "chat", "code", None], 12), (["chat", "code", None, "sql"], 12), (["code", None, "sql", "sql"], 5)]
+    calls = [(["sql", "chat", "code", None], 12), (["chat", "code", None, "sql"], 12),
+             (["code", None, "sql", "sql"], 5)]
     want = [eager_reference(model, ids[:, :n], rows) for rows, n in calls]
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)

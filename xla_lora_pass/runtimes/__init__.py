@@ -57,4 +57,5 @@ def before_tracing() -> None:
         runtime.before_tracing()
 
 
-__all__ = ["GENERIC", "RUNTIMES", "Runtime", "before_tracing", "for_device", "for_inputs", "open_device", "static_shapes_only"]
+__all__ = ["GENERIC", "RUNTIMES", "Runtime", "before_tracing", "for_device", "for_inputs", "open_device",
+           "static_shapes_only"]
