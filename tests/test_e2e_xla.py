@@ -92,17 +92,17 @@ def test_near_miss_graph_refuses_a_mixed_mapping(xla_device):
     torch._dynamo.reset()
     model, _ = tiny_peft_llama(num_hidden_layers=1)
     ids = torch.randint(0, 128, (2, 4))
-    model.base_model.model.model.layers[0].self_attn.q_proj.scaling["sql"] = 5.0  # diverges from the stack
-    reference = eager_reference(model, ids, ["sql", "sql"])
     meta = xlp.LoRAMetadata(max_num_tokens=64)
     meta.register_adapters(model)
-    model.base_model.model.model.layers[0].self_attn.q_proj.scaling["sql"] = 2.0
+    reference = eager_reference(model, ids, ["sql", "sql"])
+    # A nonlinearity before the shrink: B(A(tanh(x))) is not a LoRA delta of x, so no pattern may match.
+    model.base_model.model.model.layers[0].self_attn.q_proj.lora_dropout["sql"] = torch.nn.Tanh()
     reference_now = eager_reference(model, ids, ["sql", "sql"])
     assert not torch.allclose(reference, reference_now)
     model.to(xla_device)
     compiled = torch.compile(model, backend=xlp.make_backend(meta))
     meta.set_token_adapters(["sql"] * 4 + ["chat"] * 4)
-    with pytest.raises(xlp.UnsupportedMappingError, match=r"q_proj \(adapter 'sql'\): the graph scales the delta"):
+    with pytest.raises(xlp.UnsupportedMappingError, match=r"q_proj \(adapter 'sql'\): "):
         with torch.no_grad():
             compiled(input_ids=ids.to(xla_device))
     meta.set_token_adapters(["sql"] * 8)

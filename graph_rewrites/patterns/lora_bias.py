@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..annotations import LORA_WEIGHT
-from .lora_linear import COMBINE_FORMS, lora_linear_replacement, weights_reason
+from .lora_linear import COMBINE_FORMS, input_reason, lora_linear_replacement, weights_reason
 from ..pattern_matcher import LinearMatch, Pattern
 
 
@@ -29,7 +29,7 @@ SEARCH_FORMS = tuple(_make_pattern(c) for c in COMBINE_FORMS)
 
 def near_miss_reason(m: LinearMatch) -> Optional[str]:
     """Pattern 1's check, and the bias must be the same adapter's lora_B bias."""
-    reason = weights_reason(m)
+    reason = weights_reason(m) or input_reason(m)
     if reason is not None:
         return reason
     ref_a, ref_bias = m.lora_a.meta[LORA_WEIGHT], m.lora_bias.meta.get(LORA_WEIGHT) if isinstance(

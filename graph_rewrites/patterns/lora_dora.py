@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..annotations import LORA_WEIGHT
-from .lora_linear import lora_linear_replacement, weights_reason
+from .lora_linear import input_reason, lora_linear_replacement, weights_reason
 from ..pattern_matcher import LinearMatch, Pattern
 from ..context import RewriteContext
 
@@ -62,7 +62,7 @@ def near_miss_reason(m: LinearMatch) -> Optional[str]:
     read that adapter's magnitude and no input the tokens come from, so it is
     the same for every token: the per-slot constant folded at registration.
     """
-    reason = weights_reason(m)
+    reason = weights_reason(m) or input_reason(m)
     if reason is not None:
         return reason
     ref_a = m.lora_a.meta[LORA_WEIGHT]

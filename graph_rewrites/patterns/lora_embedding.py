@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .. import fx_utils
 from ..annotations import LoRAWeightRef
 from ..emit import stacks_and_base
-from .lora_linear import COMBINE_FORMS, weights_reason
+from .lora_linear import COMBINE_FORMS, input_reason, weights_reason
 from ..pattern_matcher import LinearMatch, Pattern
 from ..context import RewriteContext
 from ..site_inputs import device_of, site_indices
@@ -37,7 +37,7 @@ SEARCH_FORMS = tuple(_make_pattern(c) for c in COMBINE_FORMS)
 
 def near_miss_reason(m: LinearMatch) -> Optional[str]:
     """None if the match may be rewritten, else why not."""
-    return weights_reason(m, kind="embedding")
+    return weights_reason(m, kind="embedding") or input_reason(m)
 
 
 def lora_embedding_replacement(graph: fx.Graph, m: LinearMatch, ctx: RewriteContext):

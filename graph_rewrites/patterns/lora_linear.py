@@ -106,9 +106,44 @@ def weights_reason(m: LinearMatch, kind: str = "linear") -> Optional[str]:
     return None
 
 
+# Ops after which a tensor still holds the same values, in the same order.
+_SAME_VALUES = {"view", "reshape", "flatten", "contiguous", torch.reshape, torch.flatten}
+# Ancestors of the base output searched for the LoRA input: the base layer's own input is a few ops up (a
+# reshape, an inner LoRA layer of a chain); a bound keeps a miss from walking the whole model.
+_ANCESTOR_BUDGET = 256
+
+
+def _values_root(node):
+    while isinstance(node, fx.Node) and node.op in ("call_method", "call_function") and node.target in _SAME_VALUES:
+        node = node.args[0]
+    return node
+
+
+def input_reason(m: LinearMatch) -> Optional[str]:
+    """Why the site's other adapters would not read the input the graph's branch reads (None if they would).
+
+    The rewrite runs every adapter at the site on ``m.x``; the branch shows only the active adapter's
+    input.  A LoRA layer reads the base layer's input (PEFT's eval dropout is gone by now), so ``m.x``
+    must be what the base output was computed from.  ``B(A(f(x)))`` beside ``base(x)`` is one adapter's
+    own input transform, which the other adapters' rows would wrongly get too.
+    """
+    root = _values_root(m.x)
+    seen, todo = set(), [m.base]
+    while todo and len(seen) < _ANCESTOR_BUDGET:
+        node = todo.pop()
+        if node in seen:
+            continue
+        if node is m.x or _values_root(node) is root:
+            return None
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+    return (f"the LoRA branch reads {m.x.name}, which is not the base layer's input: the site's other adapters "
+            f"would read it too")
+
+
 def near_miss_reason(m: LinearMatch) -> Optional[str]:
     """None if the match may be rewritten, else why it must be left exactly as it is."""
-    reason = weights_reason(m)
+    reason = weights_reason(m) or input_reason(m)
     if reason is None and _leading_key(m.x) != _leading_key(m.base):
         return f"token dims of x {_leading_key(m.x)} and of the base output {_leading_key(m.base)} differ"
     return reason

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..annotations import LORA_WEIGHT
-from .lora_linear import lora_linear_replacement, weights_reason
+from .lora_linear import input_reason, lora_linear_replacement, weights_reason
 from ..pattern_matcher import LinearMatch, Pattern
 
 
@@ -52,7 +52,7 @@ def near_miss_reason(m: LinearMatch) -> Optional[str]:
     is the B' @ A the reader stacked.  The groups need no check: the conv of
     A ``[r*k, in]`` with B ``[., r, 1]`` only runs with groups = k.
     """
-    reason = weights_reason(m)
+    reason = weights_reason(m) or input_reason(m)
     if reason is not None:
         return reason
     ref_a = m.lora_a.meta[LORA_WEIGHT]
