@@ -123,7 +123,7 @@ def define_op(name: str, impl: Callable, fake: Callable, schema: Optional[str] =
 
     ``schema``: default inferred from ``impl``'s annotations.  ``arg_names``:
     the schema's argument names in order, for an ``impl`` taking ``*rest``
-    (a decomposition may get an argument by keyword; ``impl`` takes them by
+    (a caller of the decomposition may pass one by keyword; ``impl`` takes them by
     position).
     """
     op = torch.library.custom_op(f"xla_lora::{name}", impl, mutates_args=(), schema=schema)
