@@ -2,6 +2,7 @@
 
     python bench/inductor.py                       # hidden 512 and 2048 (vocab 32000), 8 adapters, 7 reps
     python bench/inductor.py --shapes 512 --reps 3 # a quick look
+    python bench/inductor.py --shapes 512 --opaque-ops  # also the kernels as opaque ops
 
 Runs on any torch this package supports, torch_xla or not (the CPU device).
 Per shape, a Llama-style model with 8 PEFT adapters (r=16, every linear of the
@@ -12,6 +13,9 @@ ending with the logits on the host:
 * ``base, inductor``: the model without LoRA, ``torch.compile(backend="inductor")``: the floor.
 * ``xla_lora, inductor``: this backend (``inner="inductor"``), the row kernel, a new mapping every step
   (alternating between two).
+* ``xla_lora, inductor, opaque ops`` (``--opaque-ops``): the same, with inductor given no decomposition of
+  the xla_lora ops (``inner=`` a plain ``compile_fx``), so it calls them as opaque ops; the default hands it
+  their decompositions (backend/inner_backend.py) and fuses them.
 * ``PEFT inductor, mixed``: PEFT's own mixed batch (``adapter_names=``) compiled with inductor, one
   mapping (it is specialised on the list: its compiles over 8 mappings are counted separately).
 
@@ -72,9 +76,24 @@ def counting_inductor(counter: dict, key: str):
     return backend
 
 
-def run_shape(hidden: int, seq: int, reps: int, steps: int) -> dict:
+def plain_inductor(gm, example_inputs):
+    """Inductor without the xla_lora ops' decompositions: they run as opaque calls."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def serve(peft_model, seq: int, inner):
+    """A copy of the model served by this backend with ``inner``: (its metadata, the compiled model)."""
     import xla_lora_pass as xlp
 
+    model = copy.deepcopy(peft_model)
+    meta = xlp.LoRAMetadata(max_num_tokens=ROWS * seq)
+    meta.register_adapters(model)
+    return meta, torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
+
+
+def run_shape(hidden: int, seq: int, reps: int, steps: int, opaque: bool = False) -> dict:
     intermediate, layers, _, vocab = SHAPES[hidden]
     base, peft_model, names = build(hidden)
     ids = torch.randint(0, vocab, (ROWS, seq), generator=torch.Generator().manual_seed(hidden))
@@ -82,11 +101,7 @@ def run_shape(hidden: int, seq: int, reps: int, steps: int) -> dict:
     mappings = [[names[(i + k) % ADAPTERS] for i in range(ROWS)] for k in range(8)]
     compiles = {"peft": 0}
 
-    ours_model = copy.deepcopy(peft_model)
-    meta = xlp.LoRAMetadata(max_num_tokens=ROWS * seq)
-    meta.register_adapters(ours_model)
-    backend = xlp.make_backend(meta, inner="inductor")
-    ours = torch.compile(ours_model, backend=backend)
+    meta, ours = serve(peft_model, seq, "inductor")
     c_base = torch.compile(base, backend="inductor")
     c_peft = torch.compile(copy.deepcopy(peft_model), backend=counting_inductor(compiles, "peft"))
     turn = [0]
@@ -117,6 +132,19 @@ def run_shape(hidden: int, seq: int, reps: int, steps: int) -> dict:
     counts = {"xla_lora": meta.stats["compiles"] - ours_before, "PEFT inductor": compiles["peft"] - peft_before}
 
     fns = {"base, inductor": step_base, "xla_lora, inductor": step_ours, "PEFT inductor, mixed": step_peft}
+    if opaque:
+        meta_o, ours_o = serve(peft_model, seq, plain_inductor)
+        turn_o = [0]
+
+        @torch.no_grad()
+        def step_opaque(fixed=None):
+            turn_o[0] += 1
+            meta_o.set_request_adapters(fixed if fixed is not None else mappings[turn_o[0] % 2])
+            return ours_o(input_ids=ids).logits.float()
+
+        err["xla_lora opaque"] = float((step_opaque(rows) - want).abs().max())
+        counts["xla_lora opaque"] = "-"
+        fns["xla_lora, inductor, opaque ops"] = step_opaque
     for fn in fns.values():
         fn()
     times = time_interleaved(fns, reps, steps)
@@ -131,11 +159,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=32, help="tokens per row (8 rows)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--opaque-ops", action="store_true",
+                        help="also time this backend with the xla_lora ops opaque to inductor (no decompositions)")
     args = parser.parse_args(argv)
     torch._dynamo.config.recompile_limit = 64  # PEFT's mixed batch: one graph per adapter_names list
     torch._dynamo.config.accumulated_recompile_limit = 1024
 
-    results = [run_shape(int(h), args.seq, args.reps, args.steps) for h in args.shapes.split(",")]
+    results = [run_shape(int(h), args.seq, args.reps, args.steps, args.opaque_ops) for h in args.shapes.split(",")]
     table = []
     for r in results:
         shape = f"hidden {r['hidden']}, vocab {r['vocab']}, {r['layers']} layers, {r['tokens']} tokens"
@@ -143,7 +173,7 @@ def main(argv=None) -> int:
         for name, values in r["ratios"].items():
             if name == "base, inductor":
                 continue
-            key = name.split(",")[0]
+            key = name.split(",")[0] + (" opaque" if name.endswith("opaque ops") else "")
             table.append([shape, name, summary(values), f"{r['floor']:.3f}", f"{base_ms:.1f}",
                           f"{r['max_abs_err'][key]:.1e}", r["compiles_8_mappings"][key]])
     print(f"\ntorch {torch.__version__}, CPU, {ADAPTERS} adapters r={RANK}, one per row; median [min-max] over "

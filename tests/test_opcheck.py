@@ -63,3 +63,28 @@ def test_opcheck(name):
     op = getattr(torch.ops.xla_lora, name)
     for args, kwargs in _samples()[name]:
         torch.library.opcheck(op, args, kwargs)
+
+
+def _keyword_form(name, args):
+    """The sample with its trailing default argument (scale, add_inputs) given by keyword, if it has one."""
+    keyword = "scale" if name.startswith("bgmv_shrink_") or name == "bgmv_shrink" else (
+        "add_inputs" if name.startswith("bgmv_expand") else None)
+    return (args[:-1], {keyword: args[-1]}) if keyword else (args, {})
+
+
+@pytest.mark.parametrize("name", sorted(_samples()))
+def test_decomposition_traces_to_aten_and_computes_the_op(name):
+    """Each op's decomposition (kernels.table.decompositions()) traced by make_fx gives ATen ops only and the
+    op's exact result, its trailing default given by position or by keyword."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from xla_lora_pass.kernels.table import decompositions
+
+    op = getattr(torch.ops.xla_lora, name)
+    for args, _ in _samples()[name]:
+        for pos, kw in ((args, {}), _keyword_form(name, args)):
+            gm = make_fx(lambda *a: op(*a, **kw), decomposition_table=decompositions(), tracing_mode="fake")(*pos)
+            targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            assert targets and all(t.namespace == "aten" for t in targets), targets
+            torch.testing.assert_close(gm(*pos), op(*args), rtol=0, atol=0)
+            # Called directly too (make_fx hands it every argument by position).
+            torch.testing.assert_close(decompositions()[op.default](*pos, **kw), op(*args), rtol=0, atol=0)

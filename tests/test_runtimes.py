@@ -11,7 +11,7 @@ from torch._dynamo import lookup_backend
 
 import xla_lora_pass as xlp
 from xla_lora_pass import runtimes
-from xla_lora_pass.backend.lora_backend import inner_compiler
+from xla_lora_pass.backend.inner_backend import inductor_decomposing_kernels, inner_compiler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
@@ -39,7 +39,8 @@ def test_each_device_type_has_its_runtime_and_inner_backend():
 
 def test_cpu_inputs_compile_with_inductor_unless_inner_says():
     cpu = [torch.zeros(2, 3), 4]
-    assert inner_compiler(None, cpu) is lookup_backend("inductor")
+    # Inductor, given every xla_lora op's decomposition (backend/inner_backend.py).
+    assert inner_compiler(None, cpu) is inner_compiler("inductor", cpu) is inductor_decomposing_kernels
     assert inner_compiler("aot_eager", cpu) is lookup_backend("aot_eager")
 
     def mine(gm, example_inputs):
@@ -195,4 +196,4 @@ def test_the_default_cpu_path_compiles_with_inductor_exact_against_peft():
         compiles.append(meta.stats["compiles"])
     assert compiles[1] == compiles[0]  # a new mapping is new inputs, not a new program
     assert meta.stats["rewrites"] and backend.graphs
-    assert all(g.inner is lookup_backend("inductor") for g in backend.graphs)
+    assert all(g.inner is inductor_decomposing_kernels for g in backend.graphs)

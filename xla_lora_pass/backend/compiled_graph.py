@@ -27,6 +27,7 @@ from ..metadata import NO_LORA, LoRAMetadata
 from ..shapes.bucketing import Buckets, GraphShapes, evaluate
 from .program_inputs import ProgramInputs
 from .rewrite import copy_graph_module
+from .static_programs import compile_static
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,15 @@ class CompiledLoRAGraph:
     """One rewritten Dynamo graph and its per-bucket programs."""
 
     def __init__(self, context: GraphContext, gm: fx.GraphModule, report: RewriteReport, num_args: int,
-                 inner: Callable):
+                 inner: Callable, static: bool = False):
         self.context = context
         self.meta = context.meta
         self.gm = gm
         self.report = report
         self.num_args = num_args
         self.inner = inner
+        # True: each bucket's program is the graph specialised to its sizes (backend/static_programs.py).
+        self.static = static
         self.extra_requests = [n.meta[LORA_INPUT] for n in gm.graph.find_nodes(op="placeholder")
                                if LORA_INPUT in n.meta]
         self._inputs = GraphInputs(self.extra_requests)
@@ -223,7 +226,10 @@ class CompiledLoRAGraph:
 
     def _compile(self, key, example_args) -> Callable:
         log.info("compiling program for bucket %s", key)
-        program = self.inner(copy_graph_module(self.gm), list(example_args))
+        if self.static:  # an inner backend that takes no symbolic sizes: the graph at this bucket's sizes
+            program = compile_static(self.gm, self.inner, example_args)
+        else:
+            program = self.inner(copy_graph_module(self.gm), list(example_args))
         self.programs[key] = program
         self.meta.count("compiles")
         return program

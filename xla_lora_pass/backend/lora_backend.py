@@ -22,21 +22,10 @@ from ..serving.generate import warm_generate
 from ..shapes import Buckets
 from .. import runtimes
 from .compiled_graph import CompiledLoRAGraph, GraphContext
+from .inner_backend import inner_compiler
 from .rewrite import rewrite
 
 log = logging.getLogger(__name__)
-
-
-def inner_compiler(inner: Union[str, Callable, None], example_inputs: Sequence) -> Callable:
-    """The compile backend each bucket's program goes to: ``inner`` (a backend or its registered name), else
-    the inner backend of the runtime of the graph's inputs (runtimes/: "openxla", "tpu" or "inductor")."""
-    if inner is None:
-        inner = runtimes.for_inputs(example_inputs).inner_backend
-    if isinstance(inner, str):
-        from torch._dynamo import lookup_backend
-
-        return lookup_backend(inner)
-    return inner
 
 
 class LoRABackend:
@@ -82,7 +71,8 @@ class LoRABackend:
         # Every compile: TORCH_TRACE artifacts always, files only when dump_dir is set.
         dump_graphs(self.settings.dump_dir, gm, new_gm, report)
         compiled = CompiledLoRAGraph(self.context, new_gm, report, len(example_inputs),
-                                     inner_compiler(self.inner, example_inputs))
+                                     inner_compiler(self.inner, example_inputs),
+                                     static=self.static_shapes_for(example_inputs))
         if kernel == AUTO and report.sites:
             # For mappings "auto"'s first choice cannot run: the same Dynamo graph rewritten with another
             # kernel, made the first time one comes (Dynamo's graph is never edited, so it can be reread).

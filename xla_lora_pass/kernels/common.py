@@ -10,14 +10,24 @@ where ``inputs`` are the kernel's per-step index tensors (the masked kernel's
 token indices, the row kernel's row slots, ...).  ``define_kernel_ops``
 registers both from the kernel's check and its two implementations; the
 references below define what every pair computes.
+
+Every ``torch.ops.xla_lora`` op's implementation is also an ATen
+decomposition (``DECOMPOSITIONS``, filled where each op is defined, by
+``define_op``): a compiler given it traces the op into the ATen ops it runs
+(inductor fuses them; a backend that takes ATen only gets no custom op).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["compute_dtype", "define_kernel_ops", "bgmv_shrink_reference", "bgmv_expand_reference"]
+__all__ = ["DECOMPOSITIONS", "compute_dtype", "define_kernel_ops", "define_op", "bgmv_shrink_reference",
+           "bgmv_expand_reference"]
+
+# Each xla_lora op's overload -> its implementation, which calls ATen ops only (the table make_fx and
+# inductor take as ``decompositions``).  Filled by define_op as the op modules are imported.
+DECOMPOSITIONS: Dict[torch._ops.OpOverload, Callable] = {}
 
 
 # Reference implementations: per-token gather, the definition of every kernel's shrink and expand.
@@ -97,10 +107,32 @@ def define_kernel_ops(suffix: str, input_names: Sequence[str], check: Callable, 
         check(expand_name, x, w, *rest[:count])
         return torch.empty_like(y)
 
-    shrink_op = torch.library.custom_op(f"xla_lora::{shrink_name}", shrink_impl, mutates_args=(),
-                                        schema=f"(Tensor x, Tensor w{tensors}, float scale=1.0) -> Tensor")
-    shrink_op.register_fake(shrink_fake)
-    expand_op = torch.library.custom_op(f"xla_lora::{expand_name}", expand_impl, mutates_args=(),
-                                        schema=f"(Tensor x, Tensor w, Tensor y{tensors}, bool add_inputs=True) -> Tensor")
-    expand_op.register_fake(expand_fake)
+    shrink_op = define_op(shrink_name, shrink_impl, shrink_fake,
+                          schema=f"(Tensor x, Tensor w{tensors}, float scale=1.0) -> Tensor",
+                          arg_names=("x", "w", *input_names, "scale"))
+    expand_op = define_op(expand_name, expand_impl, expand_fake,
+                          schema=f"(Tensor x, Tensor w, Tensor y{tensors}, bool add_inputs=True) -> Tensor",
+                          arg_names=("x", "w", "y", *input_names, "add_inputs"))
     return shrink_op, expand_op
+
+
+def define_op(name: str, impl: Callable, fake: Callable, schema: Optional[str] = None,
+              arg_names: Sequence[str] = ()):
+    """Register ``torch.ops.xla_lora.<name>`` (functional) from ``impl`` and its fake, and ``impl`` as its
+    ATen decomposition in ``DECOMPOSITIONS``; returns the op.
+
+    ``schema``: default inferred from ``impl``'s annotations.  ``arg_names``:
+    the schema's argument names in order, for an ``impl`` taking ``*rest``
+    (a caller of the decomposition may pass one by keyword; ``impl`` takes them by
+    position).
+    """
+    op = torch.library.custom_op(f"xla_lora::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+
+    def decomposition(*args, **kwargs):
+        # Keywords back to positions: only trailing arguments have defaults, so those given follow ``args``.
+        rest = [kwargs[n] for n in tuple(arg_names)[len(args):] if n in kwargs]
+        return impl(*args, *rest)
+
+    DECOMPOSITIONS[getattr(torch.ops.xla_lora, name).default] = decomposition if arg_names else impl
+    return op

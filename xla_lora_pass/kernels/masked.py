@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import bgmv_expand_reference, bgmv_shrink_reference, compute_dtype, define_kernel_ops
+from .common import bgmv_expand_reference, bgmv_shrink_reference, compute_dtype, define_kernel_ops, define_op
 
 __all__ = [
     "bgmv_shrink",
@@ -123,8 +123,7 @@ def bgmv_bias_reference(y, bias, idx):
     return y + torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
 
 
-@torch.library.custom_op("xla_lora::bgmv_embedding_shrink", mutates_args=())
-def bgmv_embedding_shrink(ids: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def _embedding_shrink(ids: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The embedding LoRA's A lookup for every token's own slot: ``[T, R]``, zero for -1."""
     torch._check(ids.shape == idx.shape, lambda: f"bgmv_embedding_shrink: ids {tuple(ids.shape)} vs idx {tuple(idx.shape)}")
     num_slots, rank, vocab = w.shape
@@ -135,13 +134,14 @@ def bgmv_embedding_shrink(ids: torch.Tensor, w: torch.Tensor, idx: torch.Tensor)
     return torch.where((idx >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-@bgmv_embedding_shrink.register_fake
-def _bgmv_embedding_shrink_fake(ids, w, idx):
+def _embedding_shrink_fake(ids, w, idx):
     return w.new_empty((ids.shape[0], w.shape[1]))
 
 
-@torch.library.custom_op("xla_lora::bgmv_bias", mutates_args=())
-def bgmv_bias(y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+bgmv_embedding_shrink = define_op("bgmv_embedding_shrink", _embedding_shrink, _embedding_shrink_fake)
+
+
+def _bias(y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``y + bias[idx]`` per token (bias ``[N, O]`` already scaled); -1 rows unchanged."""
     torch._check(y.shape[0] == idx.shape[0], lambda: f"bgmv_bias: {y.shape[0]} rows but {idx.shape[0]} indices")
     # One-hot [T, N] @ [N, O]: a matmul instead of a per-token gather; -1 is an all-zero row.
@@ -149,9 +149,11 @@ def bgmv_bias(y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.T
     return y + (onehot @ bias).to(y.dtype)
 
 
-@bgmv_bias.register_fake
-def _bgmv_bias_fake(y, bias, idx):
+def _bias_fake(y, bias, idx):
     return torch.empty_like(y)
+
+
+bgmv_bias = define_op("bgmv_bias", _bias, _bias_fake)
 
 
 # ---------------------------------------------------------------------------
@@ -174,8 +176,7 @@ def bgmv_dora_reference(y, dora, idx):
     return torch.where(valid, out.to(y.dtype), y)
 
 
-@torch.library.custom_op("xla_lora::bgmv_dora", mutates_args=())
-def bgmv_dora(y: torch.Tensor, dora: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def _dora(y: torch.Tensor, dora: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """DoRA's rescaling per token: ``y + g[idx] * y - c[idx]`` with ``dora = [N, 2, O]`` = (g, c); -1 rows unchanged."""
     torch._check(y.shape[0] == idx.shape[0], lambda: f"bgmv_dora: {y.shape[0]} rows but {idx.shape[0]} indices")
     torch._check(dora.dim() == 3 and dora.shape[1] == 2, lambda: f"bgmv_dora: dora must be [N, 2, O], got "
@@ -194,6 +195,8 @@ def bgmv_dora(y: torch.Tensor, dora: torch.Tensor, idx: torch.Tensor) -> torch.T
     return torch.where((idx >= 0).unsqueeze(-1), out, y)
 
 
-@bgmv_dora.register_fake
-def _bgmv_dora_fake(y, dora, idx):
+def _dora_fake(y, dora, idx):
     return torch.empty_like(y)
+
+
+bgmv_dora = define_op("bgmv_dora", _dora, _dora_fake)

@@ -52,6 +52,7 @@ from graph_rewrites.site_inputs import site_row_slots, site_segment_layout, site
 
 # Imported to register the torch.ops.xla_lora ops the specs name.
 from . import masked, rows, segments, sorted_tokens  # noqa: F401
+from .common import DECOMPOSITIONS
 from ..config import Settings
 from ..errors import UnsupportedMappingError
 from ..metadata.lora_metadata import LoRAMetadata
@@ -183,6 +184,12 @@ _SHARED_FEEDS: Dict[str, Feed] = {
     STACKED_DORA: lambda meta, req, device, real, padded: meta.stacked_dora(req.site, device),
 }
 FEEDS: Dict[str, Feed] = {**_SHARED_FEEDS, **{kind: f for k in KERNELS.values() for kind, f in k.feeds.items()}}
+
+
+def decompositions() -> Dict:
+    """Every ``torch.ops.xla_lora`` op's ATen decomposition (its implementation), by op overload: for a
+    compiler to trace the ops into the ATen ops they run (backend/static_programs.py, inductor)."""
+    return dict(DECOMPOSITIONS)
 
 
 def bound_specs(settings: Settings) -> Tuple[KernelSpec, ...]:
