@@ -37,6 +37,12 @@ def _aten_attr(target) -> str:
     return _ATEN_ATTRS.get(name, "") if namespace == "aten" else ""
 
 
+def aten_attribute(node: fx.Node) -> str:
+    """The attribute read a call of an aten op stands for ("T" for ``aten.numpy_T(x)``, newer torch's record of
+    ``x.T``), or "" for any other node."""
+    return _aten_attr(node.target) if node.op == "call_function" and len(node.args) == 1 and not node.kwargs else ""
+
+
 def op_name(node: fx.Node) -> str:
     """The transpose-like operation a call node performs, as a method name ("T" for ``.T``), or ""."""
     if node.op == "call_method":

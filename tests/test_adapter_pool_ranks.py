@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-import torch_xla.debug.metrics as met
 
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import tiny_peft_llama
@@ -44,6 +43,8 @@ def ranked(tmp_path_factory):
 
 
 def _outbound() -> float:
+    import torch_xla.debug.metrics as met
+
     data = met.metric_data("OutboundData")
     return data[1] if data else 0.0
 

@@ -9,7 +9,7 @@ from xla_lora_pass.demo_models import eager_reference, per_sequence_mapping, tin
 
 from .helpers import compile_lora
 from .models import peft_two_layer
-from .xla_utils import xla_compiles
+from .xla_utils import device_compiles
 
 
 # ---------------------------------------------------------------- policies
@@ -45,27 +45,27 @@ def test_a_cache_length_past_the_largest_bucket_takes_the_next_power_of_two():
 
 # ------------------------------------------------------------- the stream
 @pytest.fixture(scope="module")
-def llama(xla_device):
+def llama():
     torch._dynamo.reset()
     model, names = tiny_peft_llama(num_hidden_layers=1)
     ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(0))
     return model, names, ids
 
 
-def test_stream_of_every_token_count_compiles_once_per_bucket(llama, xla_device):
+def test_stream_of_every_token_count_compiles_once_per_bucket(llama, device, inner):
     model, names, ids = llama
     lengths = list(range(1, 513))
     random.Random(0).shuffle(lengths)
     adapters = [names[i % 3] for i in range(len(lengths))]
     references = [eager_reference(model, ids[:, :n], [a]) for n, a in zip(lengths, adapters)]
-    meta, backend, compiled = compile_lora(model, xla_device, 512, buckets=xlp.Buckets.pow2(min=8, max=512))
+    meta, backend, compiled = compile_lora(model, device, 512, buckets=xlp.Buckets.pow2(min=8, max=512), inner=inner)
     worst = 0.0
     for step, (n, adapter, ref) in enumerate(zip(lengths, adapters, references)):
         meta.set_token_adapters([adapter] * n)  # a new mapping every call
         if step == 300:  # and new weights in a slot mid-stream
             meta.load_adapter(adapter, _slot_state(model, adapter), scaling=_scaling(model, adapter))
         with torch.no_grad():
-            out = compiled(input_ids=ids[:, :n].to(xla_device)).logits.cpu()
+            out = compiled(input_ids=ids[:, :n].to(device)).logits.cpu()
         worst = max(worst, (out - ref).abs().max().item())
     model.cpu()
     assert worst < 1e-4, worst
@@ -94,7 +94,7 @@ def _scaling(model, adapter):
                 and adapter in m.scaling)
 
 
-def test_greedy_generation_of_64_tokens_compiles_at_most_5_programs(xla_device):
+def test_greedy_generation_of_64_tokens_compiles_at_most_5_programs(device, inner):
     torch._dynamo.reset()
     model, names = tiny_peft_llama(num_hidden_layers=1, seed=3)
     prompt = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -108,15 +108,15 @@ def test_greedy_generation_of_64_tokens_compiles_at_most_5_programs(xla_device):
 
     with torch.no_grad():
         expected = generate(lambda ids: eager_reference(model, ids, rows), prompt)
-    model.to(xla_device)
+    model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=512)
     meta.register_adapters(model)
-    compiled = torch.compile(model, backend=xlp.make_backend(meta, buckets=xlp.Buckets.pow2(8, 256)))
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, buckets=xlp.Buckets.pow2(8, 256), inner=inner))
 
     def step(ids):
         meta.set_token_adapters(per_sequence_mapping(rows, ids.shape[1]))
         with torch.no_grad():
-            return compiled(input_ids=ids.to(xla_device), use_cache=False).logits.cpu()
+            return compiled(input_ids=ids.to(device), use_cache=False).logits.cpu()
 
     got = generate(step, prompt)
     model.cpu()
@@ -124,18 +124,18 @@ def test_greedy_generation_of_64_tokens_compiles_at_most_5_programs(xla_device):
     assert meta.stats["compiles"] <= 5, meta.stats
 
 
-def test_batch_and_sequence_are_both_bucketed(xla_device):
+def test_batch_and_sequence_are_both_bucketed(device, inner):
     torch._dynamo.reset()
     model, names = tiny_peft_llama(num_hidden_layers=1, seed=5)
     shapes = [(2, 5), (3, 7), (4, 9), (5, 3), (3, 12), (2, 16)]
     rows_for = {b: [names[i % 3] if i % 4 != 3 else None for i in range(b)] for b in range(1, 6)}
     inputs = {s: torch.randint(0, 128, s, generator=torch.Generator().manual_seed(sum(s))) for s in shapes}
     refs = {s: eager_reference(model, inputs[s], rows_for[s[0]]) for s in shapes}
-    meta, backend, compiled = compile_lora(model, xla_device, 256, buckets=xlp.Buckets.pow2(8, 64))
+    meta, backend, compiled = compile_lora(model, device, 256, buckets=xlp.Buckets.pow2(8, 64), inner=inner)
     for s in shapes:
         meta.set_token_adapters(per_sequence_mapping(rows_for[s[0]], s[1]))
         with torch.no_grad():
-            out = compiled(input_ids=inputs[s].to(xla_device)).logits.cpu()
+            out = compiled(input_ids=inputs[s].to(device)).logits.cpu()
         assert (out - refs[s]).abs().max().item() < 1e-4, s
     model.cpu()
     [dynamic] = [g for g in backend.graphs if g.shapes.padded_symbols]
@@ -158,7 +158,7 @@ class _FlatTokens(torch.nn.Module):
         return self.inner(hidden)
 
 
-def test_flattened_token_layout_is_bucketed(xla_device):
+def test_flattened_token_layout_is_bucketed(device, inner):
     torch._dynamo.reset()
     model = _FlatTokens().eval()
     xs = {t: torch.randn(t, 16, generator=torch.Generator().manual_seed(t)) for t in (3, 5, 9, 13, 17, 30)}
@@ -169,15 +169,15 @@ def test_flattened_token_layout_is_bucketed(xla_device):
         refs[t] = torch.stack([
             model.inner(x[i:i + 1], adapter_names=["__base__" if r is None else r])[0] for i, r in enumerate(rows)
         ]).detach()
-    meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 64))
+    meta, backend, compiled = compile_lora(model, device, 64, buckets=xlp.Buckets.pow2(8, 64), inner=inner)
     compiles_before = None
     for t, x in xs.items():
         meta.set_token_adapters(mappings[t])
         with torch.no_grad():
-            out = compiled(x.to(xla_device)).cpu()
+            out = compiled(x.to(device)).cpu()
         torch.testing.assert_close(out, refs[t], atol=1e-5, rtol=0)
         if t == 9:
-            compiles_before = xla_compiles()
+            compiles_before = device_compiles(device, meta)
     [dynamic] = [g for g in backend.graphs if g.shapes.padded_symbols]
     # Two adapters and the base cycling per token: at most 2 slots per block, so the segment kernel runs.
     ran = dynamic.variants["segments"]
@@ -197,7 +197,7 @@ class _WithMemory(torch.nn.Module):
         return self.inner(x) + memory.mean(dim=1, keepdim=True)[..., :4]
 
 
-def test_a_size_other_than_the_token_dims_gets_its_own_program(xla_device):
+def test_a_size_other_than_the_token_dims_gets_its_own_program(device, inner):
     """Programs are keyed by every size symbol: the same token bucket with another memory length
     must never reuse the program compiled for the first length (it would crash or be wrong)."""
     torch._dynamo.reset()
@@ -207,11 +207,11 @@ def test_a_size_other_than_the_token_dims_gets_its_own_program(xla_device):
     inputs = [(torch.randn(1, s, 16, generator=gen), torch.randn(1, k, 16, generator=gen)) for s, k in calls]
     with torch.no_grad():
         refs = [model(x, m) for x, m in inputs]
-    meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 64))
+    meta, backend, compiled = compile_lora(model, device, 64, buckets=xlp.Buckets.pow2(8, 64), inner=inner)
     for (x, m), ref in zip(inputs, refs):
         meta.set_token_adapters(["sql"] * x.shape[1])
         with torch.no_grad():
-            out = compiled(x.to(xla_device), m.to(xla_device)).cpu()
+            out = compiled(x.to(device), m.to(device)).cpu()
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     # Static first trace, then S dynamic (one bucket), then S and K dynamic: bucket 8 with K = 4 and 5.
     assert [len(g.programs) for g in backend.graphs] == [1, 1, 2]
@@ -235,23 +235,23 @@ def test_padding_by_hand_changes_no_real_token(llama):
     assert idx[:11].tolist() == [0] * 11 and idx[11:].tolist() == [-1] * 21
 
 
-def test_precompile_warms_every_bucket_then_serving_compiles_nothing(xla_device):
+def test_precompile_warms_every_bucket_then_serving_compiles_nothing(device, inner):
     torch._dynamo.reset()
     model, names = tiny_peft_llama(num_hidden_layers=1, seed=9)
     ids = torch.randint(0, 128, (1, 64))
-    meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 64))
-    warmed = backend.precompile(lambda n: compiled(input_ids=ids[:, :n].to(xla_device)), progress=False)
+    meta, backend, compiled = compile_lora(model, device, 64, buckets=xlp.Buckets.pow2(8, 64), inner=inner)
+    warmed = backend.precompile(lambda n: compiled(input_ids=ids[:, :n].to(device)), progress=False)
     # The first trace (2 tokens) and buckets 8..64 twice, the row kernel's program and the masked one's
     # (mixed rows); the size-1 graph once (its rows of one token cannot mix adapters: row kernel only).
     assert warmed == meta.stats["compiles"] == 2 * 1 + 1 + 2 * 4
-    before = xla_compiles()
+    before = device_compiles(device, meta)
     for i, n in enumerate((5, 17, 64, 33, 1, 2, 9, 40)):
         one_row_adapter = ["code"] * n
         # Three adapters alternating: not segments either (3 slots in a block of 32), so the masked kernel.
         mixed_in_row = [("code", "sql", "chat")[j % 3] for j in range(n)]
         meta.set_token_adapters(one_row_adapter if i % 2 else mixed_in_row)
         with torch.no_grad():
-            compiled(input_ids=ids[:, :n].to(xla_device)).logits.cpu()
+            compiled(input_ids=ids[:, :n].to(device)).logits.cpu()
     assert meta.stats["compiles"] == 11
     # Only the output slices of new sizes remain (tiny programs, one per distinct size).
-    assert xla_compiles() - before <= 8
+    assert device_compiles(device, meta) - before <= 8

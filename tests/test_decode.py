@@ -53,16 +53,16 @@ def test_row_kernel_min_tokens_still_sends_short_rows_to_the_masked_kernel(monke
 
 
 @pytest.fixture(scope="module")
-def served(xla_device):
+def served(device, inner):
     torch._dynamo.reset()
     model, names = tiny_peft_llama(targets=ALL_LINEAR, seed=5)
     cpu_model, _ = tiny_peft_llama(targets=ALL_LINEAR, seed=5)
-    model.to(xla_device)
+    model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=32 * PROMPT)
     meta.register_adapters(model)
-    backend = xlp.make_backend(meta)
+    backend = xlp.make_backend(meta, inner=inner)
     return dict(compiled=torch.compile(model, backend=backend), meta=meta, backend=backend, cpu=cpu_model,
-                device=xla_device)
+                device=device)
 
 
 def _eager_steps(cpu_model, prompt, rows, steps):

@@ -1,9 +1,10 @@
-"""LoRA that PEFT did not make, served in a mixed batch on XLA: torchtune, loralib, hand-written modules.
+"""LoRA that PEFT did not make, served in a mixed batch on the ``device`` fixture's device (XLA, else the CPU with
+aot_eager): torchtune, loralib, hand-written modules.
 
 Each client: the model's own adapter ("default") and a second one loaded
 with ``load_adapter`` in the module's own state-dict keys, mixed with the
 base model row by row, against running the module once per adapter
-(eager, on the CPU); then a remap and a reload, with no XLA compile.
+(eager, on the CPU); then a remap and a reload, with no compile.
 """
 import copy
 
@@ -16,7 +17,7 @@ from xla_lora_pass import UnsupportedAdapterError
 
 from . import format_models as fm
 from .helpers import lora_weight_uses
-from .xla_utils import xla_compiles
+from .xla_utils import device_compiles
 
 ROWS = ["default", "second", None]
 SEQ = 5
@@ -46,8 +47,13 @@ CLIENTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CLIENTS))
-def client(request, xla_device):
+# The optional clients' models: skipped, naming the package, where it is not installed.
+NEEDS = {"torchtune": "torchtune", "loralib": "loralib", "loralib_merged": "loralib"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.needs(NEEDS[name])] if name in NEEDS
+                                                     else []) for name in sorted(CLIENTS)])
+def client(request, device, inner):
     torch._dynamo.reset()
     factory, rewrites = CLIENTS[request.param]
     model = factory()
@@ -55,14 +61,14 @@ def client(request, xla_device):
     second, third = fm.randomize_lora(model, 2), fm.randomize_lora(model, 3)
     per_adapter = {"default": _eager(model, {}, ids), "second": _eager(model, second, ids),
                    None: _eager(model, fm.without_lora(model), ids), "third": _eager(model, third, ids)}
-    model.to(xla_device)
+    model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=64, max_slots=2)
     assert meta.register_adapters(model) == ["default"]
     assert meta.load_adapter("second", second) == 1
-    backend = xlp.make_backend(meta)
+    backend = xlp.make_backend(meta, inner=inner)
     compiled = torch.compile(model, backend=backend)
     yield dict(name=request.param, rewrites=rewrites, meta=meta, backend=backend, compiled=compiled, ids=ids,
-               per_adapter=per_adapter, third=third, device=xla_device)
+               per_adapter=per_adapter, third=third, device=device)
     torch._dynamo.reset()
 
 
@@ -84,7 +90,7 @@ def test_mixed_batch_matches_one_eager_run_per_adapter(client):
 def test_remap_and_reload_do_not_compile(client):
     c = client
     _run(c, ROWS)
-    before = xla_compiles()
+    before = device_compiles(c["device"], c["meta"])
     rows = ROWS[::-1]
     out = _run(c, rows)
     assert (out - _expected(c["per_adapter"], rows)).abs().max().item() < 1e-4
@@ -94,7 +100,7 @@ def test_remap_and_reload_do_not_compile(client):
     out = _run(c, ROWS)
     expected = _expected({**c["per_adapter"], "second": c["per_adapter"]["third"]}, ROWS)
     assert (out - expected).abs().max().item() < 1e-4
-    assert xla_compiles() == before
+    assert device_compiles(c["device"], c["meta"]) == before
 
 
 def test_loralib_layer_merged_into_its_weight_is_refused():
@@ -114,6 +120,7 @@ def test_handwritten_layer_without_a_scaling_is_refused():
         xlp.LoRAMetadata(max_num_tokens=16).register_adapters(torch.nn.Sequential(layer))
 
 
+@pytest.mark.needs("torchtune")
 def test_load_adapter_refuses_keys_of_another_format():
     meta = xlp.LoRAMetadata(max_num_tokens=16, max_slots=2)
     meta.register_adapters(fm.torchtune_llama())

@@ -19,6 +19,8 @@ from xla_lora_pass.demo_models import per_sequence_mapping
 from . import format_models as fm
 from .helpers import assert_golden, capture_graphs, check_rewrite, lora_weight_uses, normalize_gm, shrink_expand_counts
 
+pytestmark = pytest.mark.needs("loralib")  # every test builds loralib's MergedLinear
+
 ROWS = ["default", None, "second"]
 SEQ = 4
 

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from xla_lora_pass.runtimes import xla_layer_norm
 
+pytestmark = pytest.mark.xla  # torch_xla's layer_norm kernel, every test (the module fixture installs it)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _installed():

@@ -1,7 +1,8 @@
 """The ``normalize`` pass: strip identities the patterns would otherwise need variants for, and find the token layout.
 
 Eval dropout, a None bias, an in-place ``+=`` on a fresh result, any
-transpose of a LoRA weight (``.T`` is ``getattr`` or ``aten.numpy_T`` by torch version), an embedding's gradient-only
+transpose of a LoRA weight (``.T`` is ``getattr`` or ``aten.numpy_T`` by torch version), ``.T`` / ``.mT`` /
+``.H`` / ``.mH`` of any tensor (``getattr`` on torch 2.9, the aten op on newer torch), an embedding's gradient-only
 arguments, a store into fresh zeros: each has one canonical form after this
 pass, so each pattern is written once.
 """
@@ -18,7 +19,7 @@ from ..fx_values import example_value
 from ..annotations import LORA_WEIGHT
 from ..context import RewriteContext
 from ..site_inputs import find_token_layout
-from ..transposes import is_matrix_transpose
+from ..transposes import aten_attribute, is_matrix_transpose
 from .flat_tokens import flat_token_nodes
 
 
@@ -26,7 +27,8 @@ def normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
     """Run every canonicalization below, then record the token layout most LoRA sites apply to."""
     removed = remove_eval_dropout(gm)
     changed = (drop_none_bias(gm) + removed + functionalize_fresh_index_puts(gm) + functionalize_fresh_updates(gm)
-               + canonicalize_weight_transposes(gm) + canonicalize_lora_embeddings(gm)) > 0
+               + canonicalize_attribute_ops(gm) + canonicalize_weight_transposes(gm)
+               + canonicalize_lora_embeddings(gm)) > 0
     ctx.token_layout = ctx.report.token_layout = find_token_layout(gm)
     ctx.flat_token_nodes = frozenset(flat_token_nodes(gm, ctx.token_layout))
     return changed
@@ -111,6 +113,19 @@ def functionalize_fresh_index_puts(gm: fx.GraphModule) -> int:
             user.replace_input_with(fresh, stored)
         gm.graph.erase_node(node)
         changed += 1
+    return changed
+
+
+def canonicalize_attribute_ops(gm: fx.GraphModule) -> int:
+    """``aten.numpy_T(x)`` -> ``getattr(x, "T")`` (and mT, H, mH): newer Dynamo records an attribute read as the
+    aten op the attribute calls, torch 2.9 as the read, which is what a pattern traced from ``x.T`` holds (loralib's
+    ``MergedLinear`` transposes its padded delta, not a weight).  The same call, so the same value."""
+    changed = 0
+    for node in gm.graph.nodes:
+        attr = aten_attribute(node)
+        if attr:
+            node.target, node.args = getattr, (node.args[0], attr)
+            changed += 1
     return changed
 
 
