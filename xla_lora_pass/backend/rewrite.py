@@ -6,6 +6,7 @@ annotated with a ``LoRAWeightRef`` before the passes run.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import List, Optional, Sequence, Tuple
 
@@ -18,9 +19,11 @@ from graph_rewrites import (BASE_WEIGHT, LORA_WEIGHT, SAVED_PARAM, LoRAWeightRef
                             RewriteReport, SavedParamRef)
 
 from .. import config
+from ..errors import UnsupportedAdapterError
 from ..kernels import table as kernel_table  # its import registers torch.ops.xla_lora before any pass runs
 from ..adapters.formats.peft import lora_param_from_source
 from ..metadata.lora_metadata import LoRAMetadata
+from .scaling_inputs import SCALING_INPUT, scaling_input_pair, scaling_ref
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,8 @@ UNREGISTERED = ("a LoRA weight this LoRAMetadata does not know: call meta.regist
 
 def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> int:
     """Mark each placeholder whose example tensor is a LoRA parameter (registered or not), the base weight
-    of one or more registered sites, or a tensor of a saved module (PEFT modules_to_save); all found by identity."""
+    of one or more registered sites, or a tensor of a saved module (PEFT modules_to_save); all found by identity.
+    And a registered adapter's float scaling Dynamo made an input (by source name, ``scaling_inputs.py``)."""
     found = 0
     meta.refresh_param_index()
     for node, tensor in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
@@ -114,6 +118,12 @@ def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: Lo
             spec = meta.saved_modules[module]
             node.meta[SAVED_PARAM] = SavedParamRef(module, adapter, name, spec.module_key, spec.adapters,
                                                    tuple(meta.slots))
+        pair = scaling_input_pair(meta, node, tensor) if roles.lora is None else None
+        if pair is not None:  # newer Dynamo's input for a PEFT float scaling
+            node.meta[SCALING_INPUT] = pair
+            node.meta[LORA_WEIGHT] = _scaling_input_ref(meta, pair, tensor)
+            found += 1
+            continue
         if roles.lora is None:
             ref = _excluded_ref(meta, tensor) or _unregistered_ref(node)
             if ref is not None:
@@ -137,6 +147,16 @@ def _site_ref(meta: LoRAMetadata, site_name: str, adapter: Optional[str], role: 
         unsupported=site.unsupported, lora_bias=any(w.bias is not None for w in site.adapters.values()),
         dora=site.has_dora, module_key=str(id(site.module)) if site.module is not None else None,
     )
+
+
+def _scaling_input_ref(meta: LoRAMetadata, pair, tensor) -> LoRAWeightRef:
+    """A float scaling input's ref.  Its value is the model's float now: stacked first if it changed (Dynamo
+    traces anew when a float it had baked in changes, and the new graph may make it an input)."""
+    try:
+        meta.follow_scalings({pair: float(tensor)})
+    except UnsupportedAdapterError as exc:
+        return dataclasses.replace(_site_ref(meta, *pair, "scaling"), unsupported=str(exc))
+    return scaling_ref(_site_ref(meta, *pair, "scaling"), tensor)
 
 
 def _report_leftovers(gm: fx.GraphModule, report: RewriteReport) -> None:
