@@ -23,6 +23,7 @@ from ..errors import UnsupportedAdapterError
 from ..kernels import table as kernel_table  # its import registers torch.ops.xla_lora before any pass runs
 from ..adapters.formats.peft import lora_param_from_source
 from ..metadata.lora_metadata import LoRAMetadata
+from ..shapes.writes import mark_static_inputs
 from .scaling_inputs import SCALING_INPUT, scaling_input_pair, scaling_ref
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata, ke
     # rewritten (exactly as Dynamo traced it, not the normalized form) or when a pass failed.
     annotated = copy_graph_module(gm)
     annotate_lora_weights(annotated, example_inputs, meta)
+    mark_static_inputs(annotated, example_inputs)  # held across calls: the padding hazard must know
     new_gm = copy_graph_module(annotated)
     ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=spec,
                          kernels=kernel_table.bound_specs(settings), num_slots=meta.num_slots)
