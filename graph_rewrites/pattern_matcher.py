@@ -140,14 +140,19 @@ def apply_pattern(gm: fx.GraphModule, ctx: RewriteContext, pattern: Pattern) -> 
             continue
         replaced = [n.name for n in m.nodes]
         m.output.replace_all_uses_with(new_out)
-        fx_utils.erase_dead(m.nodes)
+        # A scale read with ``.item()`` (Dynamo's float scaling input) is dead too once the site reads the stacks.
+        fx_utils.erase_dead(m.nodes + _item_of(m.scale_node))
         ctx.report.sites.append(SiteRewrite(
             site=ref.site, pattern=pattern.name, adapter=ref.adapter, x_shape=fx_utils.shape_of(m.x),
             out_shape=fx_utils.shape_of(new_out), rank=ref.stacked_rank, num_slots=ref.num_slots,
-            replaced=replaced,
+            replaced=replaced, scale=m.scale,
         ))
         rewritten += 1
     return rewritten
+
+
+def _item_of(node: Optional[fx.Node]) -> List[fx.Node]:
+    return [node] if node is not None and node.op == "call_method" and node.target == "item" else []
 
 
 def rewrite_patterns(gm: fx.GraphModule, ctx: RewriteContext, patterns: Sequence[Pattern]) -> bool:

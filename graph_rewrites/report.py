@@ -17,6 +17,9 @@ class SiteRewrite:
     rank: int  # the site's stacked (max) rank
     num_slots: int
     replaced: List[str]  # names of the graph nodes that went away
+    # The number the traced graph scaled the delta by, which the stacks carry now (None: a tensor did, the
+    # adapter's scaling tensor or input; or a pass that reads no scale).  The caller keeps the stacks at it.
+    scale: Optional[float] = None
 
 
 @dataclasses.dataclass

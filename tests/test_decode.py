@@ -117,3 +117,60 @@ def _one_token_rows(graph) -> bool:
     layout = graph.report.token_layout
     return layout is not None and len(layout) == 2 and not isinstance(layout[-1], torch.SymInt) and \
         int(layout[-1]) == 1
+
+
+CPU_PROMPT = 6  # not a bucket size: the prompt's graph would pad it to 8
+
+
+def _cpu_steps(model, cache, prompt, rows, steps, meta=None):
+    """Prompt then ``steps`` greedy decode steps on ``cache``: logits of each.  With ``meta``, the compiled
+    model's mapping is set per row; without, eager PEFT's own mixed batch (``adapter_names=``)."""
+    kw = {} if meta is not None else {"adapter_names": ["__base__" if a is None else a for a in rows]}
+    if meta is not None:
+        meta.set_request_adapters(rows)
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                       cache_position=torch.arange(prompt.shape[1]), **kw).logits
+        out.append(logits)
+        for i in range(steps):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
+                           cache_position=torch.tensor([prompt.shape[1] + i]), **kw).logits
+            out.append(logits)
+    return out
+
+
+def test_static_cache_decode_on_the_cpu_equals_eager_peft_per_row():
+    """The StaticCache's tensors are static-address (``mark_static_address``): torch 2.9 lifts or passes them
+    (transformers 4.57 makes them in the prompt's graph, written at ``cache_position``), torch 2.14 passes
+    them as inputs, its ``cumulative_length`` too.  Padding a graph that writes them would write padded
+    positions (0.5 off before), so those graphs run at their exact sizes; every row exact either way."""
+    torch._dynamo.reset()
+    model, _ = tiny_peft_llama(targets=ALL_LINEAR, seed=5)
+    twin, _ = tiny_peft_llama(targets=ALL_LINEAR, seed=5)
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    meta.register_adapters(model)
+    backend = xlp.make_backend(meta, inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    reused = _static_cache(model, CPU_PROMPT + STEPS)
+    for batch in (3, 4, 2):  # the second batch retraces with a dynamic batch dim
+        rows = _rows(batch)
+        prompt = torch.randint(0, 128, (batch, CPU_PROMPT), generator=torch.Generator().manual_seed(batch))
+        want = _cpu_steps(twin, _static_cache(twin, CPU_PROMPT + STEPS), prompt, rows, STEPS)
+        got = _cpu_steps(compiled, _static_cache(model, CPU_PROMPT + STEPS), prompt, rows, STEPS, meta)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert (g - w).abs().max().item() < 1e-4, f"batch {batch}, step {step} (0: the prompt)"
+    # One cache for two runs: transformers 5 writes at the layer's own count of tokens, so reset it between.
+    rows = _rows(2)
+    prompt = torch.randint(0, 128, (2, CPU_PROMPT), generator=torch.Generator().manual_seed(7))
+    want = _cpu_steps(twin, _static_cache(twin, CPU_PROMPT + STEPS), prompt, rows, STEPS)
+    for run in range(2):
+        got = _cpu_steps(compiled, reused, prompt, rows, STEPS, meta)
+        reused.reset()
+        assert max((g - w).abs().max().item() for g, w in zip(got, want)) < 1e-4, f"run {run} on one cache"
+    assert all(g.report.counts() == {"lora_linear": 14} and not g.leftovers for g in backend.graphs)
+    # Graphs with a dynamic batch that write the cache are not padded (and say why); no graph pads a cache.
+    dynamic = [g for g in backend.graphs if g.shapes.sources and g.report.token_layout is not None
+               and any(isinstance(d, torch.SymInt) for d in g.report.token_layout)]
+    assert dynamic and all(not g.shapes.padded_symbols and "writes" in g.shapes.not_bucketable
+                           for g in dynamic), [g.shapes.not_bucketable for g in dynamic]

@@ -16,7 +16,6 @@ from xla_lora_pass.demo_models import per_sequence_mapping, tiny_peft_llama
 
 from .helpers import (assert_golden, capture_graphs, check_rewrite, count_ops, lora_weight_uses, normalize_gm,
                       shrink_expand_counts)
-from .xla_utils import xla_compiles
 
 DORA_OP = torch.ops.xla_lora.bgmv_dora.default
 
@@ -67,9 +66,40 @@ def per_adapter_reference(model, call, rows):
 
 
 ROWS = ["dora", None, "plain"]
+# Measured: torch 2.14's Dynamo graph-breaks inside PEFT's DoRA forward (str.startswith in
+# peft/utils/integrations.py), so no graph holds a whole DoRA layer: it is left alone and a mixed batch refused.
+DORA_GRAPH_BREAK = {(2, 9): False, (2, 14): True}.get(tuple(int(p) for p in torch.__version__.split(".")[:2]))
+needs_whole_dora = pytest.mark.xfail(DORA_GRAPH_BREAK is not False, strict=True, raises=(AssertionError, ValueError),
+                                     reason="Dynamo splits PEFT's DoRA forward on this torch (graph break): "
+                                            "refused, test_dora_split_by_a_graph_break_is_refused_not_wrong")
 
 
-@pytest.mark.parametrize("active, rewrites", [("dora", {"lora_dora": 2}), ("plain", {"lora_linear": 2})])
+def test_dora_split_by_a_graph_break_is_refused_not_wrong():
+    """Whatever Dynamo does with DoRA's forward: a mixed batch is served exactly or refused naming the layer,
+    and a batch all on the active adapter is exact."""
+    torch._dynamo.reset()
+    model = _qv_model()
+    ids = torch.randint(0, 50, (3, 4), generator=torch.Generator().manual_seed(2))
+    reference = per_adapter_reference(model, lambda: model(ids), ROWS)
+    uniform = per_adapter_reference(model, lambda: model(ids), ["dora"] * 3)
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner="aot_eager"))
+    meta.set_token_adapters(per_sequence_mapping(ROWS, 4))
+    with torch.no_grad():
+        if DORA_GRAPH_BREAK:
+            with pytest.raises(xlp.UnsupportedMappingError, match=r"base_model.model.q \(adapter 'dora'\): no "
+                                                                  r"pattern matched .*a DoRA layer: a graph break"):
+                compiled(ids)
+        else:
+            torch.testing.assert_close(compiled(ids), reference, atol=1e-5, rtol=0)
+        meta.set_token_adapters(per_sequence_mapping(["dora"] * 3, 4))
+        torch.testing.assert_close(compiled(ids), uniform, atol=1e-5, rtol=0)
+
+
+# Traced with "plain" active, the graph holds no DoRA forward to break: DoRA rows are rescaled on every torch.
+@pytest.mark.parametrize("active, rewrites", [pytest.param("dora", {"lora_dora": 2}, marks=needs_whole_dora),
+                                              ("plain", {"lora_linear": 2})])
 def test_dora_golden_and_numerics(active, rewrites, update_golden):
     """Whichever adapter Dynamo traced, DoRA rows are rescaled and the others are not."""
     model = _qv_model()
@@ -88,25 +118,29 @@ def test_dora_golden_and_numerics(active, rewrites, update_golden):
         assert_golden("lora_dora", normalize_gm(new_gm), update_golden)
 
 
-def test_dora_with_a_changed_scaling_is_a_near_miss_left_alone():
-    """The graph's scaling no longer matches the folded constants: left exactly as it was, and guarded."""
+@needs_whole_dora
+def test_dora_with_a_scaling_changed_after_registration_is_re_stacked_and_served():
+    """A float scaling moves no tensor the weight watch sees: each new graph's rewrite re-reads the model's
+    scalings first (the DoRA constants fold the scaling too), so both sites are rewritten and exact; before,
+    q was a near miss ("the graph scales the delta by 5.0") and a mixed batch refused."""
     model = _qv_model()
     meta = xlp.LoRAMetadata(max_num_tokens=64)
     meta.register_adapters(model)
-    model.base_model.model.q.scaling["dora"] = 5.0  # after registration: the stacks hold the old one
-    ids = torch.randint(0, 50, (2, 4))
+    model.base_model.model.q.scaling["dora"] = 5.0  # after registration
+    ids = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(3))
+    rows = ["dora", "plain"]
+    reference = per_adapter_reference(model, lambda: model(ids), rows)
+    model.set_adapter("dora")
     (gm, example_inputs), = capture_graphs(model, ids)
     new_gm, report = xlp.rewrite(gm, example_inputs, meta)
-    [miss] = report.near_misses
-    assert (miss.site, miss.pattern) == ("base_model.model.q", "lora_dora")
-    assert "the graph scales the delta by 5.0" in miss.reason
-    assert [s.site for s in report.sites] == ["base_model.model.v"]
-    assert "linalg_norm" in new_gm.code  # q's DoRA computation is still there, untouched
+    assert report.near_misses == [] and sorted(s.site for s in report.sites) == ["base_model.model.q",
+                                                                                 "base_model.model.v"]
+    assert meta.sites["base_model.model.q"].adapters["dora"].scaling == 5.0
+    assert "linalg_norm" not in new_gm.code
     compiled = torch.compile(model, backend=xlp.make_backend(meta, inner="aot_eager"))
-    meta.set_token_adapters(per_sequence_mapping(["dora", "plain"], 4))
-    with pytest.raises(xlp.UnsupportedMappingError, match=r"base_model.model.q \(adapter 'dora'\)"):
-        with torch.no_grad():
-            compiled(ids)
+    meta.set_token_adapters(per_sequence_mapping(rows, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), reference, atol=1e-5, rtol=0)
 
 
 def _dora_llama():
@@ -142,6 +176,8 @@ def test_dora_lora_and_base_in_one_batch_on_xla_match_peft(xla_device):
     assert meta.stats["rewrites"] == {"lora_linear": 4}  # sql was active: DoRA rows rescaled all the same
     [graph] = backend.graphs
     assert count_ops(graph.gm, DORA_OP) == 4 and graph.report.near_misses == []
+    from .xla_utils import xla_compiles  # torch_xla's metrics: imported where XLA runs
+
     before = xla_compiles()
     out = run(swapped)
     assert (out - references[tuple(swapped)]).abs().max().item() < 1e-4

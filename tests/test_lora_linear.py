@@ -83,10 +83,18 @@ def test_graph_without_lora_passes_through_unchanged(update_golden):
 
 
 def test_scale_mismatch_is_a_near_miss_left_alone():
-    """The graph scales by a value the metadata did not stack: rewriting would change the result."""
+    """The graph scales by a value the metadata did not stack: rewriting would change the result.
+
+    A model adapter's float changed after registration is re-stacked before the rewrite
+    (tests/test_scaling_inputs.py); one that ``load_adapter`` redefined keeps its own scaling, so the model's
+    new float is a mismatch."""
     model = peft_two_layer()
     meta = _meta(model)
-    model.base_model.model.proj.scaling["sql"] = 3.0  # changed after registration
+    proj = model.base_model.model.proj
+    meta.load_adapter("sql", {"base_model.model.proj.lora_A.weight": proj.lora_A["sql"].weight.detach().clone(),
+                              "base_model.model.proj.lora_B.weight": proj.lora_B["sql"].weight.detach().clone()},
+                      scaling=proj.scaling["sql"])
+    proj.scaling["sql"] = 3.0  # changed after the adapter was loaded: the stacks keep the loaded scaling
     (gm, example_inputs), = capture_graphs(model, torch.randn(2, 16))
     new_gm, report = xlp.rewrite(gm, example_inputs, meta)
     assert report.sites == []

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from xla_lora_pass.shapes.padding_hazard import padding_hazard
+from xla_lora_pass.shapes.writes import mark_static_inputs
 
 
 def _hazard(fn, *args):
@@ -15,6 +16,7 @@ def _hazard(fn, *args):
     graphs = []
 
     def record(gm, example_inputs):
+        mark_static_inputs(gm, example_inputs)  # as the backend's rewrite does
         graphs.append(gm)
         return gm.forward
 
@@ -122,22 +124,54 @@ def test_elementwise_min_is_not_a_reduction(fn, hazard):
 
 
 def _held(batch, length=8):
-    """A static-address buffer, as transformers marks its static KV cache: Dynamo holds it in the graph."""
+    """A static-address buffer, as transformers marks its static KV cache (``mark_static_address``, its default
+    ``guard``): torch 2.9 guards on it and lifts it into the graph (``get_attr``); torch 2.14 does not guard by
+    default and passes it as a graph input, with sizes as dynamic as any input's."""
     buf = torch.zeros(batch, length, 4)
     torch._dynamo.mark_static_address(buf)
     return buf
 
 
+# Measured: what a static-address tensor is in Dynamo's graph, per torch version.
+HELD_AS = {(2, 9): "get_attr", (2, 14): "input"}.get(tuple(int(p) for p in torch.__version__.split(".")[:2]))
+HELD_REASON = {"get_attr": "the graph holds", "input": "is a static-address tensor"}
+
+
 def test_a_held_tensor_written_with_a_token_dim_is_a_hazard():
-    """A static cache written at the step's positions: padding the tokens would not pad the cache."""
+    """A static cache written at fixed positions with the batch's rows: padding the batch would not pad the
+    cache (2.9: lifted, written with a token dim), or would pad a copy of it (2.14: a static-address input)."""
     cache = _held(3)
 
-    def step(x, positions):
-        cache.index_copy_(1, positions, x)
+    def step(x):
+        cache.index_copy_(1, torch.arange(5), x)
         return cache.sum(-1)
 
-    why = _hazard(step, _features(torch.randn(3, 5, 4), 0, 2), torch.arange(5))
-    assert why is not None and "writes the tensor" in why and "the graph holds" in why, why
+    why = _hazard(step, _features(torch.randn(3, 5, 4), 1, 2))
+    assert why is not None and HELD_REASON[HELD_AS] in why, why
+
+
+def test_a_write_at_indices_with_a_token_dim_is_a_hazard_whatever_it_writes():
+    """transformers 4.57 makes its static cache in the prompt's graph and writes it at ``cache_position``: the
+    padded positions are 0 and overwrite position 0's keys (0.5 off on a tiny Llama before this rule)."""
+    def prompt(x, positions):
+        keys = torch.zeros(x.shape[0], 16, 4)
+        keys.index_copy_(1, positions, x)
+        return keys
+
+    x = _features(torch.randn(3, 5, 4), 0, 2)
+    why = _hazard(prompt, x, torch.arange(5))
+    assert why is not None and "writes in place at indices with a token dim" in why, why
+    assert _hazard(lambda x: torch.zeros(3, 16, 4).index_copy_(1, torch.arange(5), x), x) is None
+
+
+def test_a_write_of_a_size_with_a_token_dim_into_an_input_is_a_hazard():
+    """transformers 5's StaticLayer adds the prompt's length to its ``cumulative_length`` tensor in place."""
+    def prompt(x, length):
+        length.add_(x.shape[1])
+        return x * 2
+
+    why = _hazard(prompt, _features(torch.randn(3, 5, 4), 0, 2), torch.tensor(0))
+    assert why is not None and "writes a graph input in place with a token dim" in why, why
 
 
 def test_a_held_tensor_tied_to_a_padded_dim_is_a_hazard_and_one_that_is_not_is_safe():
@@ -147,6 +181,9 @@ def test_a_held_tensor_tied_to_a_padded_dim_is_a_hazard_and_one_that_is_not_is_s
 
     tied = _held(3)
     why = _hazard(lambda x: read(x, tied), _features(torch.randn(3, 5, 4), 2))
-    assert why is not None and "equals the traced value of the padded" in why, why
-    untied = _held(7, length=9)  # no size of it is 3 or 5, the traced batch and token dims
+    assert why is not None and {"get_attr": "equals the traced value of the padded",
+                                "input": "is a static-address tensor"}[HELD_AS] in why, why
+    # No size of it is 3 or 5, the traced batch and token dims; static sizes (2.14 would give an input's
+    # dims symbols of their own, which this helper pads as it pads every symbol).
+    untied = _features(_held(7, length=9), 0, 1, 2)
     assert _hazard(lambda x: read(x, untied), _features(torch.randn(3, 5, 4), 2)) is None

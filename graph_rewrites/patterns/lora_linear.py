@@ -94,13 +94,15 @@ def weights_reason(m: LinearMatch, kind: str = "linear") -> Optional[str]:
     if ref_a.kind != kind:
         return f"site kind is {ref_a.kind}, not {kind}"
     if m.scale is None:
-        # PEFT's prepare_model_for_compiled_hotswap turns each scaling into a tensor: the adapter's own
-        # scaling tensor is folded into its stacked B like a constant one (the metadata keeps the stack in
-        # step when the tensor changes); any other tensor is not the adapter's scaling.
-        ref_s = m.scale_node.meta.get(LORA_WEIGHT) if m.scale_node is not None else None
+        # PEFT's prepare_model_for_compiled_hotswap turns each scaling into a tensor, and newer Dynamo
+        # (dynamic=True) makes a float scaling a 0-d tensor input read with .item(): the adapter's own
+        # scaling is folded into its stacked B like a constant one (the metadata keeps the stack in step
+        # when the tensor or the input's value changes); any other tensor is not the adapter's scaling.
+        scale_input = scaling_input(m.scale_node)
+        ref_s = scale_input.meta.get(LORA_WEIGHT) if scale_input is not None else None
         if ref_s is None or ref_s.role != "scaling" or (ref_s.site, ref_s.adapter) != (ref_a.site, ref_a.adapter):
             return "the delta is scaled by a tensor, not the adapter's constant scaling"
-        return None
+        return ref_s.unsupported
     if not math.isclose(m.scale, ref_a.scaling, rel_tol=1e-6):
         return f"the graph scales the delta by {m.scale}, the adapter's scaling is {ref_a.scaling}"
     return None
@@ -139,6 +141,13 @@ def input_reason(m: LinearMatch) -> Optional[str]:
         todo.extend(node.all_input_nodes)
     return (f"the LoRA branch reads {m.x.name}, which is not the base layer's input: the site's other adapters "
             f"would read it too")
+
+
+def scaling_input(scale_node: Optional[fx.Node]) -> Optional[fx.Node]:
+    """The placeholder a non-constant scale is read from: itself, or the tensor of ``tensor.item()``."""
+    if scale_node is not None and scale_node.op == "call_method" and scale_node.target == "item":
+        return scale_node.args[0]
+    return scale_node
 
 
 def near_miss_reason(m: LinearMatch) -> Optional[str]:

@@ -27,6 +27,7 @@ from ..metadata import NO_LORA, LoRAMetadata
 from ..shapes.bucketing import Buckets, GraphShapes, evaluate
 from .program_inputs import ProgramInputs
 from .rewrite import copy_graph_module
+from .scaling_inputs import ScalingInputs
 from .static_programs import compile_static
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class CompiledLoRAGraph:
         layout = report.token_layout if report.sites else None
         self.shapes = GraphShapes.analyze(gm, num_args, layout)
         self.program_inputs = ProgramInputs(gm, num_args, self.shapes)
+        self.scaling_inputs = ScalingInputs(gm, num_args, report)
         if self.shapes.not_bucketable:
             log.info("graph compiled per exact shape: %s", self.shapes.not_bucketable)
         self.leftovers = unrewritten_lora_weights(gm)
@@ -127,7 +129,8 @@ class CompiledLoRAGraph:
         chosen = self.graph_for_call(token_dims, padded_dims)
         if chosen is not self:
             return chosen(*args)
-        if self.report.sites:  # the stacks this graph reads follow the model's own LoRA tensors
+        if self.report.sites:  # the stacks this graph reads follow the model's own LoRA tensors and scalings
+            self.scaling_inputs.check(self.meta, args)
             self.meta.sync_model_weights()
         key = self.program_inputs.key(padded)
         call_args = self.shapes.pad_args(args, padded) if padded != bindings else args

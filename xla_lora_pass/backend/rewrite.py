@@ -6,6 +6,7 @@ annotated with a ``LoRAWeightRef`` before the passes run.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import List, Optional, Sequence, Tuple
 
@@ -18,9 +19,12 @@ from graph_rewrites import (BASE_WEIGHT, LORA_WEIGHT, SAVED_PARAM, LoRAWeightRef
                             RewriteReport, SavedParamRef)
 
 from .. import config
+from ..errors import UnsupportedAdapterError
 from ..kernels import table as kernel_table  # its import registers torch.ops.xla_lora before any pass runs
 from ..adapters.formats.peft import lora_param_from_source
 from ..metadata.lora_metadata import LoRAMetadata
+from ..shapes.writes import mark_static_inputs
+from .scaling_inputs import SCALING_INPUT, scaling_input_pair, scaling_ref
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +106,8 @@ UNREGISTERED = ("a LoRA weight this LoRAMetadata does not know: call meta.regist
 
 def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata) -> int:
     """Mark each placeholder whose example tensor is a LoRA parameter (registered or not), the base weight
-    of one or more registered sites, or a tensor of a saved module (PEFT modules_to_save); all found by identity."""
+    of one or more registered sites, or a tensor of a saved module (PEFT modules_to_save); all found by identity.
+    And a registered adapter's float scaling Dynamo made an input (by source name, ``scaling_inputs.py``)."""
     found = 0
     meta.refresh_param_index()
     for node, tensor in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
@@ -114,6 +119,12 @@ def annotate_lora_weights(gm: fx.GraphModule, example_inputs: Sequence, meta: Lo
             spec = meta.saved_modules[module]
             node.meta[SAVED_PARAM] = SavedParamRef(module, adapter, name, spec.module_key, spec.adapters,
                                                    tuple(meta.slots))
+        pair = scaling_input_pair(meta, node, tensor) if roles.lora is None else None
+        if pair is not None:  # newer Dynamo's input for a PEFT float scaling
+            node.meta[SCALING_INPUT] = pair
+            node.meta[LORA_WEIGHT] = _scaling_input_ref(meta, pair, tensor)
+            found += 1
+            continue
         if roles.lora is None:
             ref = _excluded_ref(meta, tensor) or _unregistered_ref(node)
             if ref is not None:
@@ -139,12 +150,25 @@ def _site_ref(meta: LoRAMetadata, site_name: str, adapter: Optional[str], role: 
     )
 
 
+def _scaling_input_ref(meta: LoRAMetadata, pair, tensor) -> LoRAWeightRef:
+    """A float scaling input's ref.  Its value is the model's float now: stacked first if it changed (Dynamo
+    traces anew when a float it had baked in changes, and the new graph may make it an input)."""
+    try:
+        meta.follow_scalings({pair: float(tensor)})
+    except UnsupportedAdapterError as exc:
+        return dataclasses.replace(_site_ref(meta, *pair, "scaling"), unsupported=str(exc))
+    return scaling_ref(_site_ref(meta, *pair, "scaling"), tensor)
+
+
 def _report_leftovers(gm: fx.GraphModule, report: RewriteReport) -> None:
     """Every LoRA layer still computing eagerly gets a near-miss entry with a reason."""
     explained = {n.site for n in report.near_misses}
     for site, ref in graph_rewrites.unrewritten_lora_weights(gm).items():
         if site not in explained:
             reason = getattr(ref, "unsupported", None) or "no pattern matched the computation around its LoRA weights"
+            if getattr(ref, "dora", False) and not getattr(ref, "unsupported", None):
+                reason += (" (a DoRA layer: a graph break inside its forward leaves this graph only part of it; "
+                           "torch 2.14's Dynamo breaks on PEFT's str.startswith there)")
             report.near_misses.append(NearMiss(site, None, reason))
 
 
@@ -162,6 +186,7 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence, meta: LoRAMetadata, ke
     # rewritten (exactly as Dynamo traced it, not the normalized form) or when a pass failed.
     annotated = copy_graph_module(gm)
     annotate_lora_weights(annotated, example_inputs, meta)
+    mark_static_inputs(annotated, example_inputs)  # held across calls: the padding hazard must know
     new_gm = copy_graph_module(annotated)
     ctx = RewriteContext(max_num_tokens=meta.max_num_tokens, report=RewriteReport(), kernel=spec,
                          kernels=kernel_table.bound_specs(settings), num_slots=meta.num_slots)

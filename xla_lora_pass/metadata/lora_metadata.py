@@ -208,6 +208,7 @@ class LoRAMetadata(MappingFacade):
         self._model_weights.refresh()
 
     sync_model_weights = _forward("_model_weights", ModelWeights.sync)
+    follow_scalings = _forward("_model_weights", ModelWeights.follow_scalings)
 
     @_locked
     def excluded_weight(self, tensor) -> Optional[Tuple[str, str, str]]:

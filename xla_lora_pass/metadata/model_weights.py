@@ -15,6 +15,7 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Tuple
 
 from ..adapters.dora import dora_rows
@@ -25,6 +26,9 @@ from .host_stacks import AdapterStacks, LoadedAdapter
 from .slot_weights import check_shapes, check_tensors, host_slot_weights
 from .source import AdapterSource
 from .weight_watch import WeightWatch
+
+# How close a graph's scaling must be to the stacked one (the patterns' check of a constant scale too).
+SCALING_TOLERANCE = 1e-6
 
 
 class ModelWeights:
@@ -48,11 +52,12 @@ class ModelWeights:
         again, and re-stack what changed.
 
         Dynamo traces a new graph when a change alters what it guards on (PEFT's hotswap writing a new
-        float scaling); the rewrite checks each site's scaling against the stacked one, so the change must
-        be stacked first, or the new scaling reads as a near miss.  A change that cannot be served is left
+        float scaling, or the float alone); the rewrite checks each site's scaling against the stacked one,
+        so the change must be stacked first, or the new scaling reads as a near miss.  A change that cannot be served is left
         for the call: ``sync`` raises it there, before any program runs, at every call.
         """
         self._watch.rebind(self._stacks.sites.values())
+        self._watch.mark(self._scalings_moved())  # a float alone moves no tensor the watch could see
         try:
             self.sync()
         except UnsupportedAdapterError:
@@ -74,6 +79,47 @@ class ModelWeights:
         pairs = sum(len(sites) for sites in changed.values())
         self._count("weight_refreshes", n=pairs)
         return pairs
+
+    def follow_scalings(self, values: Dict[Tuple[str, str], float]) -> None:
+        """``values``: each (site, adapter)'s scaling as this call's graph applies it: an input Dynamo made of
+        the model's float ``scaling`` (newer torch, ``dynamic=True``), or a constant it baked in and guards
+        on.  A float moves no version counter, so the watch cannot see it change.  Re-stacks a watched adapter whose stacked scaling differs; raises
+        ``UnsupportedAdapterError`` naming it if the stacks still differ then, never serving a stale scaling.
+        An adapter loaded over the model's (``unwatch``) keeps its own scaling, whatever the model's is."""
+        stale = self._watch.mark([p for p, v in values.items() if not self._holds(p, v)])
+        if not stale:
+            return
+        self.sync()
+        for site, adapter in stale:
+            if not self._holds((site, adapter), values[site, adapter]):
+                raise UnsupportedAdapterError(
+                    f"adapter {adapter!r} at {site}: this call scales its delta by {values[site, adapter]} (the "
+                    f"model's scaling, a graph input), the stacks hold {self._scaling((site, adapter))} even "
+                    "after reading the model again: call meta.register_adapters(model) again")
+
+    def _scalings_moved(self) -> List[Tuple[str, str]]:
+        """(site, adapter) pairs whose live scaling, as the format reads it, is not the stacked one."""
+        moved = []
+        for site in self._stacks.sites.values():
+            if site.module is None or site.format is None:
+                continue
+            try:
+                live = site.format.read(site.name, site.module, next(iter(site.adapters)))
+            except (UnsupportedAdapterError, KeyError, TypeError, ValueError):
+                continue  # what cannot be read now, sync refuses at the call
+            moved += [(site.name, a) for a, w in (live.adapters.items() if live is not None else ())
+                      if a in site.adapters and not self._holds((site.name, a), w.scaling)]
+        return moved
+
+    def _holds(self, pair: Tuple[str, str], value: float) -> bool:
+        """The stacks hold ``value`` as the scaling of (site, adapter), or hold no such adapter."""
+        held = self._scaling(pair)
+        return held is None or math.isclose(held, value, rel_tol=SCALING_TOLERANCE)
+
+    def _scaling(self, pair: Tuple[str, str]):
+        """The stacked scaling of (site, adapter), None if the site holds no such adapter."""
+        weights = self._stacks.sites[pair[0]].adapters.get(pair[1]) if pair[0] in self._stacks.sites else None
+        return weights.scaling if weights is not None else None
 
     def _read(self, adapter: str, sites: List[str]) -> Tuple[LoadedAdapter, Dict[str, AdapterWeights]]:
         rows, fresh = LoadedAdapter(adapter, {}, {}, {}), {}

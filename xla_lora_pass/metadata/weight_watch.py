@@ -95,6 +95,13 @@ class WeightWatch:
         if moved:
             self._flatten()
 
+    def mark(self, pairs: Iterable[Pair]) -> List[Pair]:
+        """Count ``pairs`` as changed whatever their marks (a float scaling moved: no tensor shows it);
+        returns those watched, the others hold no model weights to read again."""
+        watched = [p for p in pairs if p in self._tensors]
+        self._dirty.update(watched)
+        return watched
+
     def changed(self) -> Dict[str, List[str]]:
         """``{adapter: [sites]}`` whose watched tensors changed since they were last stacked."""
         bad = set(self._dirty)

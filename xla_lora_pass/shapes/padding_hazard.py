@@ -22,12 +22,11 @@ left out:
 
 - any other contraction over a token dim (``x.transpose(1, 2) @ x``);
 - indexing a token dim from its end (after padding, the end is padding);
-- an in-place write into a graph input that involves a token dim;
-- a tensor the graph holds rather than takes as an input (``get_attr``: Dynamo
-  lifts a static-address tensor, transformers' static KV cache, into the graph)
-  that is written in place with a token dim, or that has a size equal to a
-  padded dim's traced size: the backend pads inputs only, so a held cache of
-  batch 3 would meet a batch padded to 4.
+- writes and held tensors (``writes.py``): an in-place write into a graph
+  input or a held tensor that involves a token dim, an in-place write at
+  indices with a token dim, a held tensor (lifted into the graph, or an
+  input marked static-address: transformers' static KV cache) tied to a
+  padded dim.
 
 What it cannot see: a mask input that uses another convention (1 = masked,
 or ids compared with a non-zero pad id) is trusted as HF's; a causal buffer
@@ -37,12 +36,14 @@ not in the graph.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.fx as fx
 
-from graph_rewrites.fx_values import example_value, size_expr
+from graph_rewrites.fx_values import example_value
+
+from .writes import held_tensor_hazard, op_name, token_dims, write_hazard
 
 # Ops that mix tokens along a dim: padding that dim would feed padded tokens into real ones.
 # Left out on purpose: cumsum/cumprod (prefix scans: padding after the real
@@ -69,7 +70,7 @@ _PROBS_PASS = {"dropout", "to", "type", "type_as", "float", "half", "bfloat16", 
 def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
     """Why padding ``symbols`` could change a real result, or None (see the module docstring)."""
     symbols = set(symbols)
-    why = _held_tensor_hazard(gm, symbols)
+    why = held_tensor_hazard(gm, symbols)
     if why:
         return why
     masks = _MaskProof(symbols)
@@ -77,10 +78,9 @@ def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
         if node.op not in ("call_function", "call_method") or not node.args:
             continue
         name = _name(node)
-        target = _written(node, name)
-        if target is not None and any(any(_token_dims(a, symbols) or ()) for a in node.all_input_nodes):
-            what = "a graph input" if target.op == "placeholder" else f"the tensor {target.target} the graph holds"
-            return f"{node.format_node()} writes {what} in place with a token dim"
+        why = write_hazard(node, symbols)
+        if why:
+            return f"{node.format_node()} {why}"
         if name in _SDPA:
             why = _sdpa_hazard(node, symbols, masks)
         elif name in _SOFTMAX:
@@ -94,15 +94,7 @@ def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
     return None
 
 
-def _name(node: fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-
-
-def _token_dims(node, symbols) -> Optional[List[bool]]:
-    value = example_value(node) if isinstance(node, fx.Node) else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    return [isinstance(d, torch.SymInt) and bool(size_expr(d).free_symbols & symbols) for d in value.shape]
+_name, _token_dims = op_name, token_dims
 
 
 def _arg(node: fx.Node, i: int, key: str, default=None):
@@ -244,37 +236,6 @@ class _MaskProof:
 
 def _is_arange(node: fx.Node) -> bool:
     return _name(node) == "arange"
-
-
-def _written(node: fx.Node, name: str) -> Optional[fx.Node]:
-    """The graph input or held tensor an in-place op (``index_copy_``, ``t[i] = v``) writes, if any."""
-    in_place = name == "setitem" or (name.endswith("_") and not name.startswith("_"))
-    target = node.args[0]
-    if in_place and isinstance(target, fx.Node) and target.op in ("placeholder", "get_attr"):
-        return target
-    return None
-
-
-def _held_tensor_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
-    """A held tensor with a size equal to a padded symbol's traced size (it may be that dim, unpadded)."""
-    held_nodes = gm.graph.find_nodes(op="get_attr")
-    if not held_nodes:
-        return None
-    traced = {}
-    for node in gm.graph.nodes:
-        value = example_value(node)
-        for d in value.shape if isinstance(value, torch.Tensor) else ():
-            if isinstance(d, torch.SymInt) and size_expr(d) in symbols and d.node.hint is not None:
-                traced.setdefault(size_expr(d), int(d.node.hint))
-    for node in held_nodes:
-        held = operator.attrgetter(node.target)(gm)  # a dotted path into submodules, or one flat name
-        if not isinstance(held, torch.Tensor):
-            continue
-        tied = sorted(str(s) for s, n in traced.items() if n in tuple(held.shape))
-        if tied:
-            return (f"the graph holds the tensor {node.target} of size {list(held.shape)}, which padding does not "
-                    f"pad, and a size of it equals the traced value of the padded {', '.join(tied)}")
-    return None
 
 
 def _from_end(entry) -> bool:

@@ -188,3 +188,19 @@ def lora_param_from_source(source_name: str) -> Optional[Tuple[str, str, str]]:
     if layer[:2] == ["L", "self"]:  # the compiled module itself: paths from it, as register_adapters names sites
         layer = layer[2:]
     return ".".join(layer), parts[at + 1], ("A" if parts[at].endswith("A") else "B")
+
+
+def scaling_from_source(source_name: str) -> Optional[Tuple[str, str]]:
+    """(layer path, adapter) if a Dynamo input source names a PEFT layer's float ``scaling[adapter]``, else None.
+
+    Newer Dynamo (torch 2.14 with ``dynamic=True``) does not bake such a float
+    into the graph: it becomes a 0-d tensor input, e.g.
+    ``L['self'].__dict__['_modules']['base_model']...['q'].scaling['sql']``.
+    """
+    parts = attribute_path(source_name).split(".")
+    if len(parts) < 3 or parts[-2] != "scaling":
+        return None
+    layer = parts[:-2]
+    if layer[:2] == ["L", "self"]:
+        layer = layer[2:]
+    return ".".join(layer), parts[-1]
