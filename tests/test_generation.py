@@ -111,16 +111,8 @@ def test_generate_past_max_num_tokens_gets_a_longer_cache(device, inner):
     assert torch.equal(_generate(compiled, ids, mask, rows, "dynamic", device), ref)
 
 
-# Found on torch 2.14.1 (CPU; aot_eager raises, inductor crashes; torch 2.9 passes on CPU and XLA): the 3-row
-# generate's T5 encoder graph has input_ids [s52, 8] and attention_mask [s92, 8]; the backend pads s52 to 4, not
-# s92, and the mask lookup by the padded batch's arange raises "index 3 is out of bounds for dimension 0 with
-# size 3".  A backend bug (shapes/), not the test's; strict: a fix turns it into a failure to remove this.
-T5_BATCH_SYMBOLS = pytest.mark.xfail(torch.__version__ >= "2.14", strict=True, raises=IndexError, reason=(
-    "torch 2.14: the padded batch symbol indexes an unpadded mask of another symbol (T5's encoder, 4 rows then 3)"))
-
-
 @pytest.mark.compat
-@pytest.mark.parametrize("family", ["llama", pytest.param("t5", marks=T5_BATCH_SYMBOLS)])
+@pytest.mark.parametrize("family", ["llama", "t5"])
 def test_generate_of_a_batch_between_buckets_after_another_batch(device, inner, family):
     """4 rows, then 3: Dynamo makes the batch dim dynamic at the second, while the static cache it holds in the
     graph has the real 3 rows, so the batch must not be padded to its bucket of 4 (it raised "expand: attempting

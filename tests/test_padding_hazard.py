@@ -187,3 +187,46 @@ def test_a_held_tensor_tied_to_a_padded_dim_is_a_hazard_and_one_that_is_not_is_s
     # dims symbols of their own, which this helper pads as it pads every symbol).
     untied = _features(_held(7, length=9), 0, 1, 2)
     assert _hazard(lambda x: read(x, untied), _features(torch.randn(3, 5, 4), 2)) is None
+
+
+
+def _hazard_padding_first_input(fn, *args):
+    """(padding_hazard of ``fn``'s graph when only its first input's size symbols are padded, the symbols of
+    the other inputs that are not padded)."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=record, dynamic=True)(*args)
+    [gm] = graphs
+    placeholders = [p for p in gm.graph.find_nodes(op="placeholder")
+                    if isinstance(p.meta["example_value"], torch.Tensor)]
+    symbols = {s.node.expr for s in placeholders[0].meta["example_value"].shape if isinstance(s, torch.SymInt)}
+    others = {s.node.expr for p in placeholders[1:] for s in getattr(p.meta["example_value"], "shape", ())
+              if isinstance(s, torch.SymInt)}
+    return padding_hazard(gm, symbols), others - symbols
+
+
+def test_indices_over_a_padded_dim_into_another_unpadded_size_are_a_hazard():
+    """T5's mask lookup on torch 2.14: the mask's rows (its own batch symbol) picked by an arange over the
+    ids' batch (the padded one); padded, the arange points past the mask's real rows."""
+    def mask_rows(ids, mask):
+        return ids * mask[torch.arange(ids.shape[0])[:, None], torch.arange(ids.shape[1])]
+
+    why, unpadded = _hazard_padding_first_input(mask_rows, _features(torch.ones(3, 8), 1),
+                                                _features(torch.ones(5, 8), 1))
+    assert unpadded, "the mask's batch must be a symbol of its own"
+    assert why is not None and "indexes a dim of another, unpadded size" in why, why
+
+
+def test_indices_over_a_padded_dim_into_a_fixed_size_are_safe():
+    """A table of fixed size (rotary positions) indexed by a padded tensor: nothing varies that padding could
+    outgrow."""
+    table = torch.randn(64, 4)
+    why, unpadded = _hazard_padding_first_input(lambda ids, x: (table[ids], x * 2), torch.ones(3, 8, dtype=torch.long),
+                                                _features(torch.ones(5, 4), 1))
+    assert unpadded and why is None, why

@@ -22,6 +22,8 @@ left out:
 
 - any other contraction over a token dim (``x.transpose(1, 2) @ x``);
 - indexing a token dim from its end (after padding, the end is padding);
+- indices with a token dim into a dim whose size is another symbol, one not
+  padded (an index built over the padded size points past its end);
 - writes and held tensors (``writes.py``): an in-place write into a graph
   input or a held tensor that involves a token dim, an in-place write at
   indices with a token dim, a held tensor (lifted into the graph, or an
@@ -36,12 +38,12 @@ not in the graph.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.fx as fx
 
-from graph_rewrites.fx_values import example_value
+from graph_rewrites.fx_values import example_value, size_expr
 
 from .writes import held_tensor_hazard, op_name, token_dims, write_hazard
 
@@ -88,7 +90,7 @@ def padding_hazard(gm: fx.GraphModule, symbols) -> Optional[str]:
         elif name in _CONTRACT:
             why = _contraction_hazard(node, name, symbols)
         else:
-            why = _indexing_or_reduction_hazard(node, name, symbols)
+            why = _gather_hazard(node, name, symbols) or _indexing_or_reduction_hazard(node, name, symbols)
         if why:
             return f"{node.format_node()} {why}"
     return None
@@ -157,6 +159,32 @@ def _from_masked_softmax(node) -> bool:
     while isinstance(node, fx.Node) and _name(node) in _PROBS_PASS and node.args:
         node = node.args[0]
     return isinstance(node, fx.Node) and _name(node) in _SOFTMAX
+
+
+def _unpadded_varying_dims(node, symbols) -> List[bool]:
+    """Per dim of ``node``'s tensor, whether its size varies per call but is not padded (another symbol)."""
+    value = example_value(node) if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return []
+    return [isinstance(d, torch.SymInt) and not (size_expr(d).free_symbols & symbols) for d in value.shape]
+
+
+def _gather_hazard(node, name, symbols) -> Optional[str]:
+    """Indices with a padded dim reading a dim of another, unpadded size (T5's mask ``m[batch_arange, kv]``
+    with the batch padded and ``m``'s own batch symbol not): an index built over the padded size points
+    past the real end."""
+    if name == "getitem" and isinstance(node.args[1], tuple) and not any(
+            e is None or e is Ellipsis for e in node.args[1]):
+        pairs = list(enumerate(node.args[1]))
+    elif name in ("index_select", "gather") and len(node.args) > 2 and isinstance(node.args[1], int):
+        pairs = [(node.args[1], node.args[2])]
+    else:
+        return None
+    varying = _unpadded_varying_dims(node.args[0], symbols)
+    for d, index in pairs:
+        if -len(varying) <= d < len(varying) and varying[d] and any(_token_dims(index, symbols) or ()):
+            return "indexes a dim of another, unpadded size with indices that have a token dim"
+    return None
 
 
 def _indexing_or_reduction_hazard(node, name, symbols) -> Optional[str]:
