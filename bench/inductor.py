@@ -95,6 +95,9 @@ def serve(peft_model, seq: int, inner):
 
 def run_shape(hidden: int, seq: int, reps: int, steps: int, opaque: bool = False) -> dict:
     intermediate, layers, _, vocab = SHAPES[hidden]
+    # As a fresh process: Dynamo's automatic-dynamic state of the shared HF/PEFT code would otherwise carry
+    # over from the previous shape (floats made graph inputs, see the user guide's known limits).
+    torch._dynamo.reset()
     base, peft_model, names = build(hidden)
     ids = torch.randint(0, vocab, (ROWS, seq), generator=torch.Generator().manual_seed(hidden))
     rows = [names[i % ADAPTERS] for i in range(ROWS)]

@@ -1,9 +1,9 @@
 """Issue 7: bad input gets a clear, early error; a failed rewrite falls back and never gives a wrong answer.
 
 Every bad input of ``BAD_INPUTS`` is tried on ONE compiled tiny PEFT Llama on
-the XLA device; after each error the same compiled model must serve the next
-good request, equal to eager PEFT, with no new XLA program and no new
-backend compile.  ``python -m tests.test_reliability`` prints the table of
+the ``device`` fixture's device (XLA, else the CPU); after each error the same
+compiled model must serve the next good request, equal to eager PEFT, with no
+new XLA program (on XLA) and no new backend compile.  ``python -m tests.test_reliability`` prints the table of
 errors from the same cases.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import eager_reference, per_sequence_mapping, tiny_peft_llama
 
-from .xla_utils import xla_compiles
+from .xla_utils import device_compiles, xla_compiles
 
 Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
 WARM_ROWS = ["sql", "chat"]
@@ -144,17 +144,17 @@ BAD_INPUTS: List[BadInput] = [
 ]
 
 
-def make_served(xla_device) -> Served:
+def make_served(device, inner=None) -> Served:
     """The one compiled model every bad input is tried on, warmed up."""
     torch._dynamo.reset()
     model, names = tiny_peft_llama()
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     reference = eager_reference(model, ids[:, :SEQ], GOOD_ROWS)
-    model.to(xla_device)
+    model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=MAX_TOKENS, max_slots=4)
     meta.register_adapters(model)
-    backend = xlp.make_backend(meta, buckets=xlp.Buckets(BUCKETS))
-    s = Served(model, meta, backend, torch.compile(model, backend=backend), xla_device, ids, reference)
+    backend = xlp.make_backend(meta, buckets=xlp.Buckets(BUCKETS), inner=inner)
+    s = Served(model, meta, backend, torch.compile(model, backend=backend), device, ids, reference)
     # Warm up as a server would: two sequence lengths make Dynamo's graph dynamic in the sequence.
     for seq in (SEQ, 6, SEQ):
         s.meta.set_token_adapters(per_sequence_mapping(WARM_ROWS, seq))
@@ -164,8 +164,8 @@ def make_served(xla_device) -> Served:
 
 
 @pytest.fixture(scope="module")
-def served(xla_device) -> Served:
-    return make_served(xla_device)
+def served(device, inner) -> Served:
+    return make_served(device, inner)
 
 
 def _snapshot(meta: xlp.LoRAMetadata):
@@ -175,13 +175,14 @@ def _snapshot(meta: xlp.LoRAMetadata):
 
 
 def try_bad_input(s: Served, bad: BadInput):
-    """Run one bad input; returns (error, seconds, new XLA compiles, new backend compiles, good request's error).
+    """Run one bad input; returns (error, seconds, new device compiles (XLA's own on XLA), new backend compiles,
+    good request's error).
 
     Also checks that the refused call left the metadata exactly as it was.
     """
     s.meta.set_token_adapters(per_sequence_mapping(GOOD_ROWS, SEQ))
     before = _snapshot(s.meta)
-    xla_before, compiles_before = xla_compiles(), s.meta.stats["compiles"]
+    device_before, compiles_before = device_compiles(s.device, s.meta), s.meta.stats["compiles"]
     start = time.perf_counter()
     with pytest.raises(bad.error, match=bad.match) as caught:
         bad.action(s)
@@ -193,8 +194,8 @@ def try_bad_input(s: Served, bad: BadInput):
     for site in before[2]:
         assert all(torch.equal(x, y) for x, y in zip(before[2][site], after[2][site])), site
     good_error = s.good_request()
-    return (caught.value, seconds, xla_compiles() - xla_before, s.meta.stats["compiles"] - compiles_before,
-            good_error)
+    return (caught.value, seconds, device_compiles(s.device, s.meta) - device_before,
+            s.meta.stats["compiles"] - compiles_before, good_error)
 
 
 @pytest.mark.parametrize("bad", BAD_INPUTS, ids=[b.label for b in BAD_INPUTS])
@@ -213,7 +214,7 @@ def test_no_bad_input_compiled_anything(served):
 def test_load_adapter_copies_weights_from_any_device_and_refuses_a_full_house(served):
     """Weights on the XLA device (and of another float dtype) are accepted: copied, cast, never kept."""
     s = served
-    xla_before, compiles_before = xla_compiles(), s.meta.stats["compiles"]
+    device_before, compiles_before = device_compiles(s.device, s.meta), s.meta.stats["compiles"]
     state = _state((3, 32), (32, 3), dtype=torch.bfloat16, device=s.device)
     assert s.meta.load_adapter("fresh", state, scaling=0.5) == 3
     a, b = s.meta.stacked_weights(Q0, "cpu")
@@ -230,7 +231,7 @@ def test_load_adapter_copies_weights_from_any_device_and_refuses_a_full_house(se
     with pytest.raises(ValueError, match=r"load_adapter\('another'\): .*4 of them kept by .* it needs 5 slots"):
         s.meta.load_adapter("another", _state(), scaling=1.0)
     assert s.good_request() < 1e-4
-    assert (xla_compiles() - xla_before, s.meta.stats["compiles"] - compiles_before) == (0, 0)
+    assert (device_compiles(s.device, s.meta) - device_before, s.meta.stats["compiles"] - compiles_before) == (0, 0)
 
 
 @pytest.mark.xfail(strict=True, reason="bucketing.py: slice_outputs narrows the padded XLA outputs lazily, so the "

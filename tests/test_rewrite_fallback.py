@@ -18,7 +18,7 @@ from .test_reliability import MAX_TOKENS, SEQ, _state
 Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
 
 
-def test_model_without_lora_layers_warns_and_still_runs(xla_device):
+def test_model_without_lora_layers_warns_and_still_runs(device, inner):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
     x = torch.randn(4, 16)
@@ -31,11 +31,11 @@ def test_model_without_lora_layers_warns_and_still_runs(xla_device):
         meta.set_token_adapters(["sql"] * 4)
     with pytest.raises(RuntimeError, match="no LoRA sites are registered"):
         meta.load_adapter("sql", _state(), scaling=1.0)
-    compiled = torch.compile(model.to(xla_device), backend=xlp.make_backend(meta))
+    compiled = torch.compile(model.to(device), backend=xlp.make_backend(meta, inner=inner))
     with torch.no_grad():
-        out = compiled(x.to(xla_device)).cpu()  # no mapping at all
+        out = compiled(x.to(device)).cpu()  # no mapping at all
         meta.set_token_adapters([None] * 4)
-        again = compiled(x.to(xla_device)).cpu()
+        again = compiled(x.to(device)).cpu()
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
     assert torch.equal(out, again)
     assert meta.stats["compiles"] == 1 and meta.stats["rewrites"] == {} and meta.stats["fallbacks"] == 0
@@ -57,20 +57,20 @@ def broken_lora_linear(monkeypatch):
     monkeypatch.setattr(graph_rewrites, "PATTERNS", patterns)
 
 
-def test_failed_rewrite_falls_back_logs_once_and_stays_correct(broken_lora_linear, xla_device, caplog):
+def test_failed_rewrite_falls_back_logs_once_and_stays_correct(broken_lora_linear, device, inner, caplog):
     torch._dynamo.reset()
     caplog.set_level(logging.WARNING, logger="xla_lora_pass")
     model, names = tiny_peft_llama(num_hidden_layers=1)
     ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
     reference = eager_reference(model, ids, ["sql", "sql"])  # "sql" is the active adapter
-    model.to(xla_device)
+    model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=MAX_TOKENS)
     meta.register_adapters(model)
-    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
 
     def run():
         with torch.no_grad():
-            return compiled(input_ids=ids.to(xla_device)).logits.cpu()
+            return compiled(input_ids=ids.to(device)).logits.cpu()
 
     meta.set_token_adapters(["sql"] * 8)
     first = run()
@@ -115,7 +115,7 @@ def test_fallback_off_turns_a_failed_rewrite_into_an_error(broken_lora_linear, m
 
 
 # ------------------------------------------------------------- isolation
-def test_two_models_with_two_metadata_objects_share_no_state(xla_device):
+def test_two_models_with_two_metadata_objects_share_no_state(device, inner):
     """Run alternately, each model follows its own mapping, slots, weights and counters."""
     torch._dynamo.reset()
     ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(2))
@@ -126,10 +126,10 @@ def test_two_models_with_two_metadata_objects_share_no_state(xla_device):
     references = [eager_reference(m, ids, rows) for m, rows in steps]
     served = {}
     for model in (one, two):
-        model.to(xla_device)
+        model.to(device)
         meta = xlp.LoRAMetadata(max_num_tokens=MAX_TOKENS)
         meta.register_adapters(model)
-        served[id(model)] = (meta, torch.compile(model, backend=xlp.make_backend(meta)))
+        served[id(model)] = (meta, torch.compile(model, backend=xlp.make_backend(meta, inner=inner)))
     (meta_one, _), (meta_two, _) = served[id(one)], served[id(two)]
     assert meta_one.slots == names_one and meta_two.slots == names_two
     host_one = {site: [t.clone() for t in meta_one.host_stacks(site)] for site in meta_one.sites}
@@ -139,14 +139,14 @@ def test_two_models_with_two_metadata_objects_share_no_state(xla_device):
         other_mapping = other.mapping()
         meta.set_token_adapters(per_sequence_mapping(rows, SEQ))
         with torch.no_grad():
-            logits = compiled(input_ids=ids.to(xla_device)).logits.cpu()
+            logits = compiled(input_ids=ids.to(device)).logits.cpu()
         assert (logits - reference).abs().max().item() < 1e-4, rows
         assert other.mapping() is other_mapping  # untouched by this object's step
     assert meta_one.mapping().tolist() == [0] * SEQ + [-1] * SEQ
     assert meta_two.mapping().tolist() == [-1] * SEQ + [1] * SEQ
     # Stacked weights: each object's own copies, on the host and on the device.
     for site in meta_one.sites:
-        for dev in ("cpu", xla_device):
+        for dev in ("cpu", device):
             a_one, b_one = meta_one.stacked_weights(site, dev)
             a_two, b_two = meta_two.stacked_weights(site, dev)
             assert a_one.shape[0] == 3 and a_two.shape[0] == 2

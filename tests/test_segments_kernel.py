@@ -112,17 +112,17 @@ def test_a_mapping_that_is_not_segments_runs_the_sorted_kernel(served):
         kernels.segment_inputs(s.meta, "cpu", (1, 120), (1, 128), 32, 2)
 
 
-def test_flat_token_batches_switch_from_masked_to_segments(xla_device):
+def test_flat_token_batches_switch_from_masked_to_segments(device, inner):
     """vLLM's [T, H] layout: the "auto" rewrite is masked (no rows), packed requests run the segment kernel."""
     torch._dynamo.reset()
     model = peft_two_layer()
     x = torch.randn(100, 16)
     mapping = packed([("sql", 40), (None, 27), ("chat", 33)])
     want = two_layer_per_token(model, x, mapping)
-    meta, backend, compiled = compile_lora(model, xla_device, max_num_tokens=128)
+    meta, backend, compiled = compile_lora(model, device, max_num_tokens=128, inner=inner)
     meta.set_token_adapters(mapping)
     with torch.no_grad():
-        got = compiled(x.to(xla_device)).cpu()
+        got = compiled(x.to(device)).cpu()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     graph, = backend.graphs
     assert "rows" not in graph.kernels and graph.variants["segments"].programs and not graph.programs

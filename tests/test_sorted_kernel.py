@@ -139,7 +139,7 @@ def test_the_choice_per_mapping(served):
     assert chosen(packed([(a, 128) for a in ("sql", "chat")]), rows=2) == "rows"
 
 
-def test_sorted_rewrite_equals_peft_mixed_batch(xla_device, monkeypatch):
+def test_sorted_rewrite_equals_peft_mixed_batch(device, inner, monkeypatch):
     """The sorted kernel for every call (config.kernel = "sorted") against PEFT's own ``adapter_names=`` batch:
     a row on the base model, and 13 tokens padded to the bucket of 16."""
     monkeypatch.setattr(xlp.config, "kernel", "sorted")
@@ -147,12 +147,12 @@ def test_sorted_rewrite_equals_peft_mixed_batch(xla_device, monkeypatch):
     model, names = tiny_peft_llama(targets=TARGETS, seed=3)
     cpu_model, _ = tiny_peft_llama(targets=TARGETS, seed=3)
     cpu_model.load_state_dict(model.state_dict())
-    meta, backend, compiled = compile_lora(model, xla_device, max_num_tokens=128)
+    meta, backend, compiled = compile_lora(model, device, max_num_tokens=128, inner=inner)
     ids = torch.randint(0, 128, (4, 13), generator=torch.Generator().manual_seed(8))
     rows = ["chat", None, "sql", "code"]
     meta.set_request_adapters(rows)
     with torch.no_grad():
-        got = compiled(input_ids=ids.to(xla_device)).logits.cpu()
+        got = compiled(input_ids=ids.to(device)).logits.cpu()
     want = eager_reference(cpu_model, ids, rows)
     assert (got - want).abs().max().item() < 1e-4
     assert all(g.kernels == {"sorted"} for g in backend.graphs if g.report.sites)
