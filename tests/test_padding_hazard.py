@@ -11,8 +11,8 @@ from xla_lora_pass.shapes.padding_hazard import padding_hazard
 from xla_lora_pass.shapes.writes import mark_static_inputs
 
 
-def _hazard(fn, *args):
-    """padding_hazard of the one graph Dynamo captures for ``fn(*args)``, padding every size symbol."""
+def _captured_graph(fn, *args):
+    """The one graph Dynamo captures for ``fn(*args)`` (``dynamic=True``: the token dims are symbols)."""
     graphs = []
 
     def record(gm, example_inputs):
@@ -24,6 +24,12 @@ def _hazard(fn, *args):
     with torch.no_grad():
         torch.compile(fn, backend=record, dynamic=True)(*args)
     [gm] = graphs
+    return gm
+
+
+def _hazard(fn, *args):
+    """padding_hazard of the one graph Dynamo captures for ``fn(*args)``, padding every size symbol."""
+    gm = _captured_graph(fn, *args)
     symbols = set()
     for p in gm.graph.find_nodes(op="placeholder"):
         value = p.meta["example_value"]
@@ -193,16 +199,7 @@ def test_a_held_tensor_tied_to_a_padded_dim_is_a_hazard_and_one_that_is_not_is_s
 def _hazard_padding_first_input(fn, *args):
     """(padding_hazard of ``fn``'s graph when only its first input's size symbols are padded, the symbols of
     the other inputs that are not padded)."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(fn, backend=record, dynamic=True)(*args)
-    [gm] = graphs
+    gm = _captured_graph(fn, *args)
     placeholders = [p for p in gm.graph.find_nodes(op="placeholder")
                     if isinstance(p.meta["example_value"], torch.Tensor)]
     symbols = {s.node.expr for s in placeholders[0].meta["example_value"].shape if isinstance(s, torch.SymInt)}
