@@ -132,7 +132,7 @@ class CompiledLoRAGraph:
         if self.report.sites:  # the stacks this graph reads follow the model's own LoRA tensors and scalings
             self.scaling_inputs.check(self.meta, args)
             self.meta.sync_model_weights()
-        key = self.program_inputs.key(padded)
+        key = self.program_inputs.key(padded, args)
         call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
         call_args = self.program_inputs.contiguous(call_args)
         device = _first_device(args)
@@ -229,10 +229,11 @@ class CompiledLoRAGraph:
 
     def _compile(self, key, example_args) -> Callable:
         log.info("compiling program for bucket %s", key)
+        gm = self.program_inputs.program_graph(self.gm, example_args)
         if self.static:  # an inner backend that takes no symbolic sizes: the graph at this bucket's sizes
-            program = compile_static(self.gm, self.inner, example_args)
+            program = compile_static(gm, self.inner, example_args)
         else:
-            program = self.inner(copy_graph_module(self.gm), list(example_args))
+            program = self.inner(gm if gm is not self.gm else copy_graph_module(gm), list(example_args))
         self.programs[key] = program
         self.meta.count("compiles")
         return program
