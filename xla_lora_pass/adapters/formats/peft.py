@@ -24,6 +24,7 @@ from graph_rewrites.dynamo_sources import attribute_path
 
 from ..records import AdapterWeights, SiteSpec
 from .base import AdapterFormat
+from .peft_tracing import allow_whole_dora_graphs
 
 _ROLE_PARTS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B",
                "lora_magnitude_vector": "magnitude"}
@@ -114,6 +115,8 @@ class PeftFormat(AdapterFormat):
             lora_a, lora_b = (a, b) if kind == "embedding" else (a.weight, b.weight)
             magnitude = layer.lora_magnitude_vector[adapter].weight if (
                 kind == "linear" and _is_dora(layer, adapter)) else None
+            if magnitude is not None:
+                allow_whole_dora_graphs()  # the rewrite needs the whole DoRA forward in one graph
             scaling = layer.scaling[adapter]
             adapters[adapter] = AdapterWeights(
                 lora_a=lora_a, lora_b=lora_b, scaling=_one_number(scaling),
