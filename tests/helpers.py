@@ -210,14 +210,15 @@ def per_adapter_reference(model, rows, run: Callable):
     return torch.stack([outs[r][i] for i, r in enumerate(rows)])
 
 
-def serve_stream(model, device, max_num_tokens: int, rows, batches):
+def serve_stream(model, device, max_num_tokens: int, rows, batches, **backend_kw):
     """Run each batch (keyword inputs) through the compiled model with row i on adapter rows[i].
 
     Returns (worst abs error of the logits against PEFT eager run once per
     adapter, meta, backend); the model is back on the CPU afterwards.
+    ``backend_kw`` go to ``make_backend``.
     """
     references = [per_adapter_reference(model, rows, lambda m, kw=kw: m(**kw).logits) for kw in batches]
-    meta, backend, compiled = compile_lora(model, device, max_num_tokens)
+    meta, backend, compiled = compile_lora(model, device, max_num_tokens, **backend_kw)
     worst = 0.0
     for batch, ref in zip(batches, references):
         s = batch["input_ids"].shape[1]

@@ -1,7 +1,7 @@
 """A bidirectional model without an attention mask is never padded; with a mask, and causal models, still bucket.
 
 Tiny HF models with random weights and two PEFT adapters, a mixed batch on
-XLA, compared with PEFT eager run once per adapter.
+XLA (else the CPU with aot_eager), compared with PEFT eager run once per adapter.
 """
 import pytest
 import torch
@@ -42,7 +42,7 @@ MODELS = {
 }
 
 
-def _serve(family, with_mask, xla_device):
+def _serve(family, with_mask, device, inner):
     """(worst abs error against PEFT eager, the backend's dynamic graphs) over LENGTHS."""
     torch._dynamo.reset()
     model = MODELS[family]()
@@ -54,16 +54,16 @@ def _serve(family, with_mask, xla_device):
         if with_mask:
             batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         batches.append(batch)
-    worst, _, backend = serve_stream(model, xla_device, MAX_TOKENS, ROWS, batches)
+    worst, _, backend = serve_stream(model, device, MAX_TOKENS, ROWS, batches, inner=inner)
     assert all(not g.report.near_misses for g in backend.graphs)
     dynamic = [g for g in backend.graphs if g.shapes.sources and g.report.sites]
     assert dynamic, "no graph of this model traced its token dims as symbols"
     return worst, dynamic
 
 
-def test_bidirectional_model_without_a_mask_compiles_per_exact_shape(xla_device):
+def test_bidirectional_model_without_a_mask_compiles_per_exact_shape(device, inner):
     """Real tokens would attend to padded ones: never padded, so exact, one program per size."""
-    worst, dynamic = _serve("roberta", False, xla_device)
+    worst, dynamic = _serve("roberta", False, device, inner)
     assert worst < 1e-4
     for g in dynamic:
         assert "attends over padded keys" in g.shapes.not_bucketable
@@ -72,8 +72,8 @@ def test_bidirectional_model_without_a_mask_compiles_per_exact_shape(xla_device)
 
 
 @pytest.mark.parametrize("family, with_mask", [("roberta", True), ("llama", False), ("gpt2", False)])
-def test_masked_or_causal_model_still_buckets(family, with_mask, xla_device):
-    worst, dynamic = _serve(family, with_mask, xla_device)
+def test_masked_or_causal_model_still_buckets(family, with_mask, device, inner):
+    worst, dynamic = _serve(family, with_mask, device, inner)
     assert worst < 1e-4
     for g in dynamic:
         assert g.shapes.not_bucketable is None

@@ -1,7 +1,7 @@
 """Issue 12: every registered adapter at every site, and PEFT's modules_to_save, served per token or row.
 
 The pass alone on the CPU (golden graphs, numbers against eager PEFT, near
-misses); tests/test_heads_and_target_modules_xla.py runs the same cases end to end on XLA.
+misses); tests/test_heads_and_target_modules.py runs the same cases end to end (on XLA where it is installed).
 """
 import pytest
 import torch

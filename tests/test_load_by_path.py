@@ -11,7 +11,7 @@ import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import eager_reference, per_sequence_mapping, tiny_peft_llama
 
 from .test_dora import per_adapter_reference, perturb_magnitudes
-from .xla_utils import xla_compiles
+from .xla_utils import device_compiles
 
 SEQ = 6
 FRESH = LoraConfig(r=4, lora_alpha=6, use_rslora=True, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -33,26 +33,26 @@ def saved(tmp_path_factory):
                 if (path / "fresh").is_dir() else path)
 
 
-def test_saved_adapter_loaded_by_path_is_exact_and_compiles_nothing(saved, xla_device):
+def test_saved_adapter_loaded_by_path_is_exact_and_compiles_nothing(saved, device, inner):
     torch._dynamo.reset()
     s = saved
     assert os.path.isfile(os.path.join(s["path"], "adapter_model.safetensors"))
-    model = s["model"].to(xla_device)
+    model = s["model"].to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=128, max_slots=4)
     assert meta.register_adapters(model) == ["sql", "chat", "code"]
-    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
 
     def run(rows):
         meta.set_token_adapters(per_sequence_mapping(rows, SEQ))
         with torch.no_grad():
-            return compiled(input_ids=s["ids"].to(xla_device)).logits.cpu()
+            return compiled(input_ids=s["ids"].to(device)).logits.cpu()
 
     run(["sql", "chat", None, "code"])
-    before = xla_compiles()
+    before = device_compiles(device, meta)
     assert meta.load_adapter("fresh", s["path"]) == 3
     out = run(s["rows"])
     assert (out - s["reference"]).abs().max().item() < 1e-4
-    assert xla_compiles() == before
+    assert device_compiles(device, meta) == before
     model.cpu()
 
 

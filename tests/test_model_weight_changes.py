@@ -13,7 +13,7 @@ import torch
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import eager_reference, tiny_peft_llama
 
-from .xla_utils import xla_compiles
+from .xla_utils import device_compiles
 
 ROWS = ["sql", "chat", None]
 IDS = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(1))
@@ -26,11 +26,11 @@ def _saved_adapter(tmp_path, name, rank, alpha, seed):
     return str(tmp_path / name) if name != "default" else str(tmp_path)
 
 
-def _serve(model, device, rows=ROWS, **meta_kw):
+def _serve(model, device, inner, rows=ROWS, **meta_kw):
     meta = xlp.LoRAMetadata(max_num_tokens=64, **meta_kw)
     model.to(device)
     meta.register_adapters(model)
-    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
     meta.set_request_adapters(rows)
     return meta, compiled
 
@@ -46,7 +46,7 @@ def _err(got, reference, rows=ROWS):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("padded", [False, True], ids=["same_rank", "prepared_for_compiled_hotswap"])
-def test_peft_hotswap_on_the_compiled_model_is_served(xla_device, tmp_path, padded):
+def test_peft_hotswap_on_the_compiled_model_is_served(device, inner, tmp_path, padded):
     from peft.utils.hotswap import hotswap_adapter, prepare_model_for_compiled_hotswap
 
     model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
@@ -55,72 +55,72 @@ def test_peft_hotswap_on_the_compiled_model_is_served(xla_device, tmp_path, padd
         prepare_model_for_compiled_hotswap(model, target_rank=4)
     first = _saved_adapter(tmp_path / "one", "chat", 2 if padded else 4, 6, seed=7)
     second = _saved_adapter(tmp_path / "two", "chat", 2 if padded else 4, 6, seed=8)
-    meta, compiled = _serve(model, xla_device)
-    assert _err(_run(compiled, xla_device), reference) < 1e-4
+    meta, compiled = _serve(model, device, inner)
+    assert _err(_run(compiled, device), reference) < 1e-4
     assert sum(meta.stats["rewrites"].values()) == 4  # q and v of both layers, scaling tensors included
     compiles = meta.stats["compiles"]
     for path in (first, second):
-        xla_before = xla_compiles()
-        hotswap_adapter(compiled, path, adapter_name="chat", torch_device=str(xla_device))
+        device_before = device_compiles(device, meta)
+        hotswap_adapter(compiled, path, adapter_name="chat", torch_device=str(device))
         hotswap_adapter(reference, path, adapter_name="chat", torch_device="cpu")
-        assert _err(_run(compiled, xla_device), reference) < 1e-4
+        assert _err(_run(compiled, device), reference) < 1e-4
         assert meta.stats["compiles"] == compiles
     # The first swap ran PEFT's own copies on the device (programs of PEFT's, once per shape); the second: none.
-    assert xla_compiles() == xla_before
+    assert device_compiles(device, meta) == device_before
     assert meta.stats["weight_refreshes"] == 2 * 4  # chat at 4 sites, twice
 
 
 @pytest.mark.compat
-def test_inactive_adapter_written_in_place_and_one_out_of_its_slot(xla_device):
+def test_inactive_adapter_written_in_place_and_one_out_of_its_slot(device, inner):
     """A no_grad copy into the inactive adapter's weights (load_state_dict does the same), and a change made
     while the pool holds the adapter out of its slot (2 slots, 3 adapters): both served when next used."""
     model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 8, 16), ("code", 2, 2)))
     reference = copy.deepcopy(model)
-    meta, compiled = _serve(model, xla_device, rows=["sql", "chat", None], max_slots=3)
+    meta, compiled = _serve(model, device, inner, rows=["sql", "chat", None], max_slots=3)
     gen = torch.Generator().manual_seed(3)
     lora = [n for n, _ in model.named_parameters() if ".lora_B.chat." in n]
     for name in lora:
         new = torch.randn(model.get_parameter(name).shape, generator=gen)
         with torch.no_grad():
-            model.get_parameter(name).copy_(new.to(xla_device))
+            model.get_parameter(name).copy_(new.to(device))
             reference.get_parameter(name).copy_(new)
-    assert _err(_run(compiled, xla_device), reference, ["sql", "chat", None]) < 1e-4
+    assert _err(_run(compiled, device), reference, ["sql", "chat", None]) < 1e-4
     meta.unload_adapter("code")
     for name in [n for n, _ in model.named_parameters() if ".lora_A.code." in n]:
         new = torch.randn(model.get_parameter(name).shape, generator=gen)
-        model.get_parameter(name).data.copy_(new.to(xla_device))  # through .data: no version counter moves
+        model.get_parameter(name).data.copy_(new.to(device))  # through .data: no version counter moves
         reference.get_parameter(name).data.copy_(new)
     meta.set_request_adapters(["code", "chat", None])  # brings code back from its kept copy
-    assert _err(_run(compiled, xla_device), reference, ["code", "chat", None]) < 1e-4
+    assert _err(_run(compiled, device), reference, ["code", "chat", None]) < 1e-4
 
 
-def test_a_change_the_stacks_cannot_hold_is_refused_by_name_and_nothing_changes(xla_device):
+def test_a_change_the_stacks_cannot_hold_is_refused_by_name_and_nothing_changes(device, inner):
     model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
-    meta, compiled = _serve(model, xla_device)
-    _run(compiled, xla_device)
+    meta, compiled = _serve(model, device, inner)
+    _run(compiled, device)
     site = next(s for s in meta.sites if s.endswith("q_proj"))
     before = [t.clone() for t in meta.host_stacks(site)]
     layer = model.get_submodule(site)
     with torch.no_grad():  # rank 16 > the site's stacked rank 4
-        torch.utils.swap_tensors(layer.lora_A["chat"].weight, torch.nn.Parameter(torch.ones(16, 32, device=xla_device)))
+        torch.utils.swap_tensors(layer.lora_A["chat"].weight, torch.nn.Parameter(torch.ones(16, 32, device=device)))
     with pytest.raises(xlp.UnsupportedAdapterError, match=r"adapter 'chat' at .*q_proj.*register_adapters"):
-        _run(compiled, xla_device)
+        _run(compiled, device)
     assert all(torch.equal(a, b) for a, b in zip(before, meta.host_stacks(site)))
     with pytest.raises(xlp.UnsupportedAdapterError):  # refused at every call until the model is put right
-        _run(compiled, xla_device)
+        _run(compiled, device)
 
 
-def test_an_adapter_loaded_over_a_model_adapter_no_longer_follows_the_model(xla_device):
+def test_an_adapter_loaded_over_a_model_adapter_no_longer_follows_the_model(device, inner):
     """load_adapter("chat", state) defines chat by the state: a later change of the model's chat is not served."""
     model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
     reference = copy.deepcopy(model)
-    meta, compiled = _serve(model, xla_device)
+    meta, compiled = _serve(model, device, inner)
     state = {k: v.detach().cpu() for k, v in reference.state_dict().items() if ".chat." in k and "lora_" in k}
     meta.load_adapter("chat", state, scaling=2.0)  # PEFT's own scaling for chat: alpha 8 / rank 4
     for name, p in model.named_parameters():
         if ".lora_B.chat." in name:
             p.data.copy_(torch.zeros_like(p))  # would make chat the base model, if it were followed
-    assert _err(_run(compiled, xla_device), reference) < 1e-4
+    assert _err(_run(compiled, device), reference) < 1e-4
     assert meta.stats["weight_refreshes"] == 0
 
 

@@ -180,6 +180,27 @@ def test_a_write_of_a_size_with_a_token_dim_into_an_input_is_a_hazard():
     assert why is not None and "writes a graph input in place with a token dim" in why, why
 
 
+@pytest.mark.parametrize("write", ["slice", "narrow"])
+def test_a_write_through_a_view_of_an_input_is_a_hazard(write):
+    """``buf[:, :n].copy_(x)`` writes the input ``buf`` itself: with ``n`` a token count, padding would write
+    the padded zeros into ``buf`` past the real tokens."""
+    def step(x, buf):
+        n = x.shape[1]
+        view = buf[:, :n] if write == "slice" else buf.narrow(1, 0, n)
+        view.copy_(x)
+        return x * 2
+
+    buf = _features(torch.zeros(3, 16), 0, 1)
+    why = _hazard(step, _features(torch.randn(3, 5), 0), buf)
+    assert why is not None and "writes a graph input in place with a token dim" in why, why
+
+    def fixed(x, buf):  # a view of fixed sizes written with a value that has no token dim: safe
+        buf[:, :2].copy_(buf[:, 2:4])
+        return x * 2
+
+    assert _hazard(fixed, _features(torch.randn(3, 5), 0), buf) is None
+
+
 def test_a_held_tensor_tied_to_a_padded_dim_is_a_hazard_and_one_that_is_not_is_safe():
     """Read only: a held tensor of the batch's traced size is the batch dim, unpadded (batch 3 meets 4)."""
     def read(x, held):

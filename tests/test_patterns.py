@@ -62,9 +62,9 @@ def _close(out, ref, dtype):
 @pytest.mark.compat
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_every_lora_module_rewritten_on_xla(family, dtype, xla_device):
+def test_every_lora_module_rewritten(family, dtype, device, inner):
     # No Dynamo reset between cases: a GPT-2 after a Llama is traced dynamically at once
-    # (PeftModel.forward's frame is already dynamic), which needs runtimes/xla_layer_norm.py.
+    # (PeftModel.forward's frame is already dynamic), which on XLA needs runtimes/xla_layer_norm.py.
     model = _llama(dtype) if family == "llama" else _gpt2(dtype)
     peft_layers = sum(isinstance(m, LoraLayer) for m in model.modules())
     names = list(model.peft_config)
@@ -75,10 +75,10 @@ def test_every_lora_module_rewritten_on_xla(family, dtype, xla_device):
         # bf16 is judged against the fp32 truth (same weights, upcast); PEFT's own bf16 path
         # is itself about 1% off it, so two bf16 paths can differ by twice that.
         reference = _rows_reference(copy.deepcopy(model).float(), ids, rows)
-    meta, backend, compiled = compile_lora(model, xla_device, 128)
+    meta, backend, compiled = compile_lora(model, device, 128, inner=inner)
     meta.set_token_adapters([r for r in rows for _ in range(7)])
     with torch.no_grad():
-        out = compiled(input_ids=ids.to(xla_device)).logits.cpu()
+        out = compiled(input_ids=ids.to(device)).logits.cpu()
     model.cpu()
     _close(out, reference, dtype)
     [graph] = backend.graphs
@@ -187,18 +187,18 @@ def test_shared_input_sites_with_other_inputs_are_not_fused():
     assert count_shrinks(new_gm) == 2 and report.shrinks_fused == 0
 
 
-def test_row_selection_from_the_end_is_rewritten_but_not_padded(xla_device):
+def test_row_selection_from_the_end_is_rewritten_but_not_padded(device, inner):
     """lm_head on ``h[:, -1:]``: after padding the last row would be padding, so no bucketing."""
     torch._dynamo.reset()
     model = _llama(layers=1, adapters=ADAPTERS[:2])
     lengths = (5, 6, 9)
     inputs = {n: torch.randint(0, 128, (2, n), generator=torch.Generator().manual_seed(n)) for n in lengths}
     refs = {n: _rows_reference(model, inputs[n], ["chat", None], logits_to_keep=1) for n in lengths}
-    meta, backend, compiled = compile_lora(model, xla_device, 64, buckets=xlp.Buckets.pow2(8, 32))
+    meta, backend, compiled = compile_lora(model, device, 64, inner=inner, buckets=xlp.Buckets.pow2(8, 32))
     for n in lengths:
         _mapped(meta, ["chat", None], n)
         with torch.no_grad():
-            out = compiled(input_ids=inputs[n].to(xla_device), logits_to_keep=1).logits.cpu()
+            out = compiled(input_ids=inputs[n].to(device), logits_to_keep=1).logits.cpu()
         assert (out - refs[n]).abs().max().item() < 1e-4, n
     model.cpu()
     dynamic = [g for g in backend.graphs if "from its end" in (g.shapes.not_bucketable or "")]

@@ -7,7 +7,7 @@ one adapter (or the base model) per row and a kernel.  The pass alone runs
 on the CPU (``capture_graphs`` + ``xlp.rewrite`` + ``run_rewritten``); the
 reference is PEFT's own mixed batch (``adapter_names=``) or, where PEFT
 refuses one, one eager run per row (``per_row_eager``).  XLA end to end:
-tests/test_heads_and_target_modules_xla.py.
+tests/test_heads_and_target_modules.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ one adapter on one of the pair; rank, alpha, rsLoRA, LoRA bias on linears; on a 
 ``ensure_weight_tying``, which gives ``lm_head`` the embedding's adapter), the active adapter, the kernel, and three
 mappings of one adapter (or the base model) per row.  The model is compiled once per example (CPU,
 ``aot_eager``); 1e-4.  The pass alone on TinyLM's tied pair and its near miss: tests/test_tied_weights.py; on XLA:
-tests/test_heads_and_target_modules_xla.py::test_tied_embeddings_retied_on_the_device.
+tests/test_heads_and_target_modules.py::test_tied_embeddings_retied_on_the_device.
 """
 from __future__ import annotations
 

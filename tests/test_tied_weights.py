@@ -4,7 +4,7 @@ Each site is found by its own op (an embedding lookup or a linear; linears shari
 the op runs in) or by its LoRA branch, and served; a use of the shared weight no site can be told for is a
 near miss the mapping guard refuses by name.  The pass alone on the CPU, where the tie made before PEFT
 wraps the model holds; on XLA (the tie made again on the device):
-tests/test_heads_and_target_modules_xla.py::test_tied_embeddings_retied_on_the_device.
+tests/test_heads_and_target_modules.py::test_tied_embeddings_retied_on_the_device.
 """
 import pytest
 import torch

@@ -20,6 +20,7 @@ from graph_rewrites import LORA_INPUT, RewriteReport, unrewritten_lora_weights
 from graph_rewrites.fx_values import size_expr
 from graph_rewrites.site_inputs import find_token_layout
 
+from .. import runtimes
 from ..config import Settings
 from ..errors import UnsupportedMappingError
 from ..kernels.table import AUTO, FALLBACK, FIRST, GraphInputs, choose, kernels_run
@@ -133,7 +134,10 @@ class CompiledLoRAGraph:
             self.scaling_inputs.check(self.meta, args)
             self.meta.sync_model_weights()
         key = self.program_inputs.key(padded, args)
-        call_args = self.shapes.pad_args(args, padded) if padded != bindings else args
+        if padded != bindings:  # a device whose writes compile (XLA) pads on the host: only transfers per size
+            call_args = self.shapes.pad_args(args, padded, on_host=runtimes.for_inputs(args).compiles_writes)
+        else:
+            call_args = args
         call_args = self.program_inputs.contiguous(call_args)
         device = _first_device(args)
         extras = self._inputs(self.meta, device, token_dims, padded_dims)

@@ -206,8 +206,14 @@ class GraphShapes:
             return None
         return tuple(evaluate(d, bindings) for d in self.token_layout)
 
-    def pad_args(self, args: Sequence[Any], padded: Dict[sympy.Symbol, int]) -> List[Any]:
-        """Inputs zero-padded along every padded symbol's dims (zero: a valid id, a masked position)."""
+    def pad_args(self, args: Sequence[Any], padded: Dict[sympy.Symbol, int], on_host: bool = False) -> List[Any]:
+        """Inputs zero-padded along every padded symbol's dims (zero: a valid id, a masked position).
+
+        ``on_host``: pad a copy on the host and send it back, for a device
+        whose writes are compiled programs (XLA's lazy tensors: padding there
+        would be one more program to compile per distinct input size; a host
+        round trip is only transfers).
+        """
         out = list(args)
         for i, (kind, dims) in enumerate(self.inputs):
             if kind == "symint":
@@ -215,7 +221,7 @@ class GraphShapes:
             elif kind == "tensor":
                 target = tuple(evaluate(d, padded) for d in dims)
                 if target != tuple(args[i].shape):
-                    out[i] = _zero_pad(args[i], target)
+                    out[i] = _zero_pad(args[i], target, on_host)
         return out
 
     def slice_outputs(self, outs, bindings: Dict[sympy.Symbol, int]):
@@ -237,13 +243,9 @@ def _flat_outputs(gm: fx.GraphModule) -> List[Any]:
     return list(result) if isinstance(result, (tuple, list)) else [result]
 
 
-def _zero_pad(t: torch.Tensor, target: Tuple[int, ...]) -> torch.Tensor:
-    """``t`` in a zero tensor of shape ``target``, padded on the host for XLA tensors.
-
-    Padding an XLA tensor on the device would be one more lazy program to
-    compile per distinct input size; a host round trip is only transfers.
-    """
-    host = t.detach().cpu() if t.device.type == "xla" else t
+def _zero_pad(t: torch.Tensor, target: Tuple[int, ...], on_host: bool) -> torch.Tensor:
+    """``t`` in a zero tensor of shape ``target`` (made on the host and sent back if ``on_host``)."""
+    host = t.detach().cpu() if on_host else t
     out = torch.zeros(target, dtype=host.dtype, device=host.device)
     out[tuple(slice(0, s) for s in host.shape)] = host
-    return out.to(t.device) if t.device.type == "xla" else out
+    return out.to(t.device) if on_host else out

@@ -3,11 +3,12 @@
 The backend pads a call's inputs (zero-filled copies) and slices its outputs
 back; nothing else.  So padding is not exact when:
 
-- an in-place write into a graph input or a held tensor involves a token
-  dim: a tensor with one, or a size computed from one (transformers 5's
-  ``StaticLayer`` adds the prompt's length to its ``cumulative_length``
-  tensor, which would count the padded tokens); the write lands in a padded
-  copy, or writes what padding made;
+- an in-place write into a graph input or a held tensor, or into a view of
+  one (``cache[:, :n].copy_(x)``), involves a token dim: a tensor with one,
+  or a size computed from one (transformers 5's ``StaticLayer`` adds the
+  prompt's length to its ``cumulative_length`` tensor, which would count the
+  padded tokens); the write lands in a padded copy, or writes what padding
+  made;
 - an indexed in-place write (``index_copy_``, ``index_put_``, ``scatter_``,
   ``t[idx] = v``), whatever it writes into, takes its indices from a tensor
   with a token dim: a padded index is 0 and overwrites a real position
@@ -37,6 +38,10 @@ STATIC_ADDRESS = "static_address_input"
 # In-place ops that write at positions read from an index tensor, and the argument that holds it.
 _INDEXED = {"index_copy_": 2, "index_add_": 2, "index_fill_": 2, "index_reduce_": 2, "scatter_": 2,
             "scatter_add_": 2, "scatter_reduce_": 2, "index_put_": 1, "setitem": 1}
+# Ops whose result shares its first argument's storage: a write into it writes that tensor.
+_VIEWS = {"getitem", "narrow", "view", "select", "slice", "transpose", "permute", "unsqueeze", "squeeze", "expand",
+          "as_strided", "diagonal", "t", "unflatten", "view_as", "unfold", "movedim", "swapaxes", "split", "chunk",
+          "unbind", "T", "mT"}
 
 
 def mark_static_inputs(gm: fx.GraphModule, example_inputs) -> None:
@@ -75,9 +80,12 @@ def write_hazard(node: fx.Node, symbols) -> Optional[str]:
         indices = index if isinstance(index, (tuple, list)) else (index,)
         if any(any(token_dims(i, symbols) or ()) for i in indices):
             return "writes in place at indices with a token dim (a padded index is 0: it overwrites a real one)"
-    target = node.args[0]
+    target, involved = node.args[0], list(node.all_input_nodes)
+    while isinstance(target, fx.Node) and op_name(target) in _VIEWS and target.args:
+        involved += target.all_input_nodes  # a view's own sizes and indices (``cache[:, :n]``) are part of it
+        target = target.args[0]
     if isinstance(target, fx.Node) and target.op in ("placeholder", "get_attr") and any(
-            any(token_dims(a, symbols) or ()) or _padded_size(a, symbols) for a in node.all_input_nodes):
+            any(token_dims(a, symbols) or ()) or _padded_size(a, symbols) for a in involved):
         what = "a graph input" if target.op == "placeholder" else f"the tensor {target.target} the graph holds"
         return f"writes {what} in place with a token dim"
     return None

@@ -1,5 +1,6 @@
-"""Mixed batches on XLA for other target modules, saved heads (modules_to_save) and sequence-classification
-heads: exact against PEFT to 1e-4 (fp32), no XLA compile on remap.
+"""Mixed batches for other target modules, saved heads (modules_to_save) and sequence-classification
+heads: exact against PEFT to 1e-4 (fp32), no compile on remap (XLA's own count on XLA; off XLA, on the CPU with
+aot_eager, the backend's).
 
 Rows [sql, chat, code, base]; each model built from a tiny config with random weights.
 """
@@ -11,7 +12,7 @@ import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import per_sequence_mapping, tiny_llama_config
 
 from .models import per_row_eager
-from .xla_utils import xla_compiles
+from .xla_utils import device_compiles
 
 ROWS = ["sql", "chat", "code", None]
 ROTATED = ["code", None, "sql", "chat"]
@@ -39,20 +40,20 @@ def _ids(vocab=128, rows=len(ROWS)):
     return torch.randint(3, vocab, (rows, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def _serve(model, device, rows_list, call, refs):
+def _serve(model, device, inner, rows_list, call, refs):
     """Compile, run each rows mapping, check against its reference; return (meta, compiles on the remaps)."""
     model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)
-    compiled = torch.compile(model, backend=xlp.make_backend(meta))
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
     remap_compiles = []
     for i, rows in enumerate(rows_list):
         meta.set_token_adapters(per_sequence_mapping(rows, SEQ))
-        before = xla_compiles()
+        before = device_compiles(device, meta)
         with torch.no_grad():
             out = call(compiled).cpu()
         if i:
-            remap_compiles.append(xla_compiles() - before)
+            remap_compiles.append(device_compiles(device, meta) - before)
         diff = (out - refs[i]).abs().max().item()
         assert diff < 1e-4, (rows, diff)
     model.cpu()
@@ -60,7 +61,7 @@ def _serve(model, device, rows_list, call, refs):
     return meta, remap_compiles
 
 
-def test_adapters_on_different_target_modules(xla_device):
+def test_adapters_on_different_target_modules(device, inner):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -70,7 +71,7 @@ def test_adapters_on_different_target_modules(xla_device):
         ("code", ["gate_proj", "up_proj", "embed_tokens"], 2, 2, {"use_rslora": True})])
     ids = _ids()
     refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
-    meta, remaps = _serve(model, xla_device, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    meta, remaps = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert len(meta.sites) == 2 * 7 + 1
     rewrites = meta.stats["rewrites"]
     assert rewrites["lora_linear"] + rewrites["lora_attach"] == 2 * 7 + 1  # every site, whatever is active
@@ -78,7 +79,7 @@ def test_adapters_on_different_target_modules(xla_device):
     assert remaps == [0]
 
 
-def test_modules_to_save_lm_head_and_embed_tokens(xla_device):
+def test_modules_to_save_lm_head_and_embed_tokens(device, inner):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(1)
@@ -87,12 +88,12 @@ def test_modules_to_save_lm_head_and_embed_tokens(xla_device):
         ("sql", ["q_proj"], 4, 8, saved), ("chat", ["v_proj"], 8, 16, saved), ("code", ["q_proj"], 2, 2, saved)])
     ids = _ids()
     refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
-    meta, remaps = _serve(model, xla_device, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    meta, remaps = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert meta.stats["rewrites"]["saved_module"] == 2
     assert remaps == [0]
 
 
-def test_roberta_sequence_classification_head(xla_device):
+def test_roberta_sequence_classification_head(device, inner):
     """SEQ_CLS saves RoBERTa's whole classifier (dense -> tanh -> out_proj on the first token) per adapter."""
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
@@ -104,13 +105,13 @@ def test_roberta_sequence_classification_head(xla_device):
         ("code", ["value"], 2, 2, {})], task_type="SEQ_CLS")
     ids = _ids()
     refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
-    meta, remaps = _serve(model, xla_device, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    meta, remaps = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert "base_model.model.classifier" in meta.saved_modules
     assert meta.stats["rewrites"]["saved_module"] == 1
     assert remaps == [0]
 
 
-def test_llama_sequence_classification_score(xla_device):
+def test_llama_sequence_classification_score(device, inner):
     """Llama's ``score`` runs on every token before HF pools the last non-pad one: served per token."""
     from transformers import LlamaForSequenceClassification
 
@@ -120,12 +121,12 @@ def test_llama_sequence_classification_score(xla_device):
         task_type="SEQ_CLS")
     ids = _ids()
     refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
-    meta, remaps = _serve(model, xla_device, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    meta, remaps = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert "base_model.model.score" in meta.saved_modules
     assert remaps == [0]
 
 
-def test_pooled_head_refuses_a_row_with_two_adapters(xla_device):
+def test_pooled_head_refuses_a_row_with_two_adapters():
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
     torch.manual_seed(2)
@@ -145,7 +146,7 @@ def test_pooled_head_refuses_a_row_with_two_adapters(xla_device):
 
 
 @pytest.mark.compat
-def test_tied_embeddings_retied_on_the_device(xla_device):
+def test_tied_embeddings_retied_on_the_device(device, inner):
     """Issue 28: ``.to(xla)`` unties embed_tokens and lm_head, ``tie_weights()`` ties them again (as HF's
     Trainer does), then PEFT puts LoRA on both: one base tensor, two sites, each served at its own op.
     (Tied before PEFT wraps the model, HF's re-tie after ``.to(xla)`` raises on PEFT's layers, so the two
@@ -153,7 +154,7 @@ def test_tied_embeddings_retied_on_the_device(xla_device):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(4)
-    base = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True)).to(xla_device)
+    base = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True)).to(device)
     base.tie_weights()
     model = _peft(base, [("sql", ["q_proj"], 4, 8, {}), ("both", ["embed_tokens", "lm_head", "v_proj"], 8, 16, {}),
                          ("emb", ["embed_tokens"], 2, 4, {}), ("head", ["lm_head"], 4, 2, {})])
@@ -161,7 +162,7 @@ def test_tied_embeddings_retied_on_the_device(xla_device):
     assert lm.lm_head.base_layer.weight is lm.model.embed_tokens.base_layer.weight
     rows_list = [["both", "sql", None, "emb"], ["head", "both", "emb", None]]
     ids = _ids()
-    refs = [per_row_eager(model, ids.to(xla_device), rows).logits.cpu() for rows in rows_list]
-    meta, remaps = _serve(model, xla_device, rows_list, lambda m: m(input_ids=ids.to(xla_device)).logits, refs)
+    refs = [per_row_eager(model, ids.to(device), rows).logits.cpu() for rows in rows_list]
+    meta, remaps = _serve(model, device, inner, rows_list, lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert meta.stats["rewrites"]["lora_attach"] >= 2  # embed_tokens and lm_head: "sql" has neither branch
     assert remaps == [0]
