@@ -142,6 +142,27 @@ def per_row_eager(model, ids, rows):
         return tuple(torch.cat(parts) for parts in zip(*outs))
 
 
+def per_row_around(model, peft_model, ids, rows):
+    """``model`` (a module that calls ``peft_model`` or reads its layers) run eagerly once per row, row i with
+    ``peft_model``'s adapter rows[i] active (None: adapters disabled); outputs concatenated like ``model``'s."""
+    active = peft_model.active_adapter
+    outs = []
+    try:
+        with torch.no_grad():
+            for i, r in enumerate(rows):
+                if r is None:
+                    with peft_model.disable_adapter():
+                        outs.append(model(ids[i:i + 1]))
+                else:
+                    peft_model.set_adapter(r)
+                    outs.append(model(ids[i:i + 1]))
+    finally:
+        peft_model.set_adapter(active)
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)
+    return tuple(torch.cat(parts) for parts in zip(*outs))
+
+
 class TwoStacks(nn.Module):
     """An encoder stack and a decoder stack of other lengths on the same rows, and a head on pooled rows.
 

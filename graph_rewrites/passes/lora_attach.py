@@ -6,6 +6,7 @@ base op, with no LoRA branch for patterns 1-5 to replace:
 
     y = linear(x, W[, b])          (PEFT ``Linear``)
     y = addmm(b, x2d, W)           (GPT-2 ``Conv1D``: W is [in, out], x2d a view of x)
+    y = x @ W.T  (then + b)        (Falcon's ``FalconLinear``, an ``nn.Linear`` with its own forward)
     y = embedding(ids, W)          (PEFT ``Embedding``)
 
 The caller marks W's placeholder (``BASE_WEIGHT``, found by the identity of
@@ -30,6 +31,7 @@ token.
 """
 from __future__ import annotations
 
+import operator
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -49,6 +51,7 @@ from ..transposes import is_matrix_transpose
 PATTERN_NAME = "lora_attach"
 
 _LINEAR = (torch._C._nn.linear, F.linear)
+_MATMUL = (operator.matmul, torch.matmul)
 _EMBEDDING = (F.embedding,)
 _KINDS = ("linear", "embedding")
 # Ops between a base output and the expand that adds the LoRA delta to it (patterns 1, 2, 5 and this one).
@@ -91,6 +94,10 @@ def base_op(use: fx.Node, weight: fx.Node, kind: str) -> Optional[BaseOp]:
     if kind == "linear" and use.target in _LINEAR and _arg(use, 1, "weight") is weight:
         x = _arg(use, 0, "input")
         return BaseOp(use, x, 1) if isinstance(x, fx.Node) else None
+    if kind == "linear" and use.target in _MATMUL and len(use.args) == 2 and use.args[1] is weight \
+            and not use.kwargs and isinstance(use.args[0], fx.Node) and _same_token_dims(use.args[0], use):
+        # x @ W.T (W [out, in]) or x @ W (W [in, out]): linear(x, W), with its bias added after if any.
+        return BaseOp(_with_bias(use), use.args[0], 1)
     if kind == "linear" and use.target is torch.addmm and len(use.args) >= 3 and use.args[2] is weight \
             and not use.kwargs and isinstance(use.args[1], fx.Node):
         return BaseOp(use, _flat_source(use.args[1]), 1)
@@ -100,6 +107,26 @@ def base_op(use: fx.Node, weight: fx.Node, kind: str) -> Optional[BaseOp]:
         ids = _arg(use, 0, "input")
         return BaseOp(use, ids, 0) if isinstance(ids, fx.Node) else None
     return None
+
+
+def _with_bias(y: fx.Node) -> fx.Node:
+    """``y + b`` when that is ``y``'s only use and ``b`` a vector (a linear's bias, added after a matmul), else
+    ``y``: the base output the LoRA delta is added to."""
+    if len(y.users) != 1:
+        return y
+    user = next(iter(y.users))
+    if user.op != "call_function" or user.target not in (operator.add, torch.add) or len(user.args) != 2 \
+            or user.kwargs or user.args[0] is not y:
+        return y
+    bias = fx_utils.example_value(user.args[1]) if isinstance(user.args[1], fx.Node) else None
+    return user if isinstance(bias, torch.Tensor) and bias.dim() == 1 else y
+
+
+def _same_token_dims(x: fx.Node, y: fx.Node) -> bool:
+    """``y = x @ M`` keeps ``x``'s leading (token) dims: x has some, and M is a matrix, not a batch of them."""
+    xv, yv = fx_utils.example_value(x), fx_utils.example_value(y)
+    return (isinstance(xv, torch.Tensor) and isinstance(yv, torch.Tensor) and xv.dim() >= 2
+            and yv.dim() == xv.dim() and tuple(xv.shape[:-1]) == tuple(yv.shape[:-1]))
 
 
 def feeds_lora_expand(node: fx.Node, depth: int = 4) -> bool:
@@ -141,19 +168,41 @@ def _in_module(node: fx.Node, ref: LoRAWeightRef) -> bool:
     return ref.module_key is not None and ref.module_key in (node.meta.get("nn_module_stack") or {})
 
 
+def _outside(node: fx.Node, ref: LoRAWeightRef) -> bool:
+    """Whether ``node`` is known to run outside the site's own module (False when the graph does not say).
+
+    Dynamo records the modules an op runs in (``nn_module_stack``), and none
+    for an op of the root module's own forward: an empty record means the
+    root only in a graph that records them.
+    """
+    if ref.module_key is None:
+        return False
+    stack = node.meta.get("nn_module_stack")
+    if not stack and not any(n.meta.get("nn_module_stack") for n in node.graph.nodes):
+        return False
+    return ref.module_key not in (stack or {})
+
+
 def site_uses(weight: fx.Node, refs: Sequence[LoRAWeightRef]) -> Dict[str, SiteUses]:
     """Each site's uses of ``weight``, the base weight of every site in ``refs`` (several when tied).
 
     A use belongs to the site whose kind its op has (the embedding lookup
     to ``embed_tokens``, the linear to ``lm_head``); between sites of one
     kind, to the one whose module the op runs in.  A base op of a kind no site has
-    (the tied table read by a layer without LoRA) is no site's.  A use of
+    (the tied table read by a layer without LoRA), or one that runs outside
+    every candidate site's module (the model reading the weight itself, where
+    PEFT computes no LoRA either), is no site's.  A use of
     no known form, or one several sites could own, is unserved at each of
     them: served at a guessed site it would be silently wrong.
     """
     uses = {ref.site: SiteUses() for ref in refs}
     for use in weight.users:
-        found = [(op, ref) for ref in refs if (op := base_op(use, weight, ref.kind)) is not None]
+        kinds = [(op, ref) for ref in refs if (op := base_op(use, weight, ref.kind)) is not None]
+        # A base op outside the site's LoRA layer (the model reading the weight itself) computes no LoRA in
+        # eager PEFT either: left alone, it is exact for every mapping.
+        found = [(op, ref) for op, ref in kinds if not _outside(op.op, ref)]
+        if kinds and not found:
+            continue
         if not found:
             if not any(base_op(use, weight, kind) is not None for kind in _KINDS):
                 for ref in refs:

@@ -130,7 +130,8 @@ def _contraction_hazard(node, name, symbols) -> Optional[str]:
     """A matmul summing over a token dim is safe only as attention's probabilities times its values."""
     if name == "einsum":
         return _einsum_hazard(node, symbols)
-    left = node.args[1] if name == "baddbmm" else node.args[0]
+    # Bloom calls torch.baddbmm(input=alibi, batch1=query, batch2=key_t, ...) with keywords only.
+    left = _arg(node, 1, "batch1") if name == "baddbmm" else _arg(node, 0, "input")
     on_tokens = _token_dims(left, symbols)
     if not on_tokens or not on_tokens[-1] or _from_masked_softmax(left):
         return None
