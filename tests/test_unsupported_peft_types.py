@@ -183,3 +183,37 @@ def test_a_lora_layer_added_after_registration_is_refused_at_the_call():
                                                       r"LoRAMetadata does not know"), torch.no_grad():
         compiled(_ids([None, None]))
     torch._dynamo.reset()
+
+
+def test_lora_on_a_parameter_is_refused_by_name_and_can_be_excluded():
+    """PEFT's ``target_parameters`` (``ParamWrapper``: ``W + B A`` before the module's forward; what
+    ``"all-linear"`` puts on transformers 5's Mixtral router and fused experts).  Before, it was read as a
+    linear LoRA site: the rewrite left it alone and a mixed batch was refused with "the request mapping has 3
+    rows but this call has a batch of 4" (the identity matrix PEFT builds its delta from)."""
+    torch.manual_seed(0)
+    base = TinyLM().eval()
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q"], init_lora_weights=False),
+                           adapter_name="sql")
+    model.add_adapter("param", LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=["k.weight"],
+                                          init_lora_weights=False))
+    model.set_adapter("sql")
+    model.eval()
+    with pytest.raises(UnsupportedAdapterError, match=r"adapter 'param' is of type LoRA on a parameter "
+                                                      r"\(ParamWrapper over 'weight'.*layers base_model\.model\.k"):
+        xlp.LoRAMetadata(max_num_tokens=64).register_adapters(model)
+    meta = xlp.LoRAMetadata(max_num_tokens=64)
+    assert meta.register_adapters(model, exclude=["param"]) == ["sql"]
+    assert sorted(meta.sites) == ["base_model.model.q"]
+    rows = ["sql", None]
+    ids = _ids(rows)
+    with torch.no_grad():
+        want_sql = model(ids[:1])
+        with model.disable_adapter():
+            want_base = model(ids[1:])
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner="aot_eager"))
+    meta.set_request_adapters(rows)
+    with torch.no_grad():
+        got = compiled(ids)
+    for g, a, b in zip(got, want_sql, want_base):
+        assert (g - torch.cat([a, b])).abs().max().item() < 1e-4
+    torch._dynamo.reset()

@@ -2,7 +2,8 @@
 
 The package serves PEFT LoRA (and DoRA) adapters.  A PEFT model may hold
 adapters of other types (LoHa, LoKr, AdaLoRA, IA3, VeRA, OFT, ...; a
-``PeftMixedModel`` mixes them with LoRA ones).  Nothing rewrites their
+``PeftMixedModel`` mixes them with LoRA ones), and LoRA on parameters
+(``target_parameters``: PEFT's ``ParamWrapper``, a delta added to a weight).  Nothing rewrites their
 layers, so a slot for one would give its rows the base model's output, and
 an active one adds its delta to every row.  An adapter is of another type
 when its ``peft_config`` entry's ``peft_type`` is not LORA, or when a PEFT
@@ -26,7 +27,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import UnsupportedAdapterError
-from .formats.peft import is_plain_lora
+from .formats.peft import is_plain_lora, on_a_parameter
 from .saved_modules import SavedModuleSpec
 
 LORA = "LORA"
@@ -55,6 +56,10 @@ def _tuner_layer_type():
 
 
 def _kind_of_layer(module) -> str:
+    if on_a_parameter(module):
+        return (f"LoRA on a parameter ({type(module).__name__} over {module.parameter_name!r}: PEFT's "
+                "target_parameters, which adds a delta to the weight, not to the activations; build the adapter "
+                "with target_modules that leave it out)")
     parts = type(module).__module__.split(".")
     # peft.tuners.<tuner>.layer: the tuner's package names its type (peft.tuners.loha -> LOHA)
     return parts[2].upper() if parts[:2] == ["peft", "tuners"] and len(parts) > 2 else type(module).__name__

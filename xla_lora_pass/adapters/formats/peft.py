@@ -42,13 +42,21 @@ def is_plain_lora(module) -> bool:
     """A PEFT LoRA layer whose class adds no per-adapter parts of its own.
 
     AdaLoRA's ``SVDLinear`` subclasses ``LoraLayer`` but adds ``lora_E`` (its
-    forward is ``B (A * E)``): not LoRA.  A LoRA variant (DoRA, ...) adds its
+    forward is ``B (A * E)``): not LoRA.  Nor is a LoRA on a parameter
+    (``on_a_parameter``).  A LoRA variant (DoRA, ...) adds its
     parts to the instance, not the class, and stays a LoRA layer.
     """
     layer = _lora_layer_type()
-    if layer is None or not isinstance(module, layer):
+    if layer is None or not isinstance(module, layer) or on_a_parameter(module):
         return False
     return set(type(module).adapter_layer_names) <= set(layer.adapter_layer_names) | {"lora_magnitude_vector"}
+
+
+def on_a_parameter(module) -> bool:
+    """PEFT's ``ParamWrapper`` (LoRA ``target_parameters``, e.g. the fused MoE experts that ``"all-linear"``
+    targets on transformers 5's Mixtral): it adds ``B A`` to a weight before the module's own forward, not to
+    an activation, so no shrink/expand serves it per token."""
+    return isinstance(getattr(module, "parameter_name", None), str)
 
 
 def lora_layers(module) -> List:
