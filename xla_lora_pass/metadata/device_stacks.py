@@ -16,13 +16,15 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Set, Tuple, Union
+import contextlib
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
 from .. import runtimes
 from .host_stacks import AdapterStacks
 from .slot_rows import SlotRow, bucket, buckets
+from .slot_swap import SlotSwap, Target
 
 Site = Union[str, Tuple[str, ...]]  # one site, or the sites fused on one input
 
@@ -38,11 +40,41 @@ class DeviceStacks:
         # Counts forget(): a copy handed out stays the one in use (written in place by write_slot) until the
         # generation changes, so a caller may keep it that long instead of asking again every call.
         self.generation = 0
+        self._swaps: Dict[str, SlotSwap] = {}  # device -> the one-program write of the copies a graph sent
+        self._sending = 0  # inside sending(): copies made are warmed together when it ends
 
     def forget(self) -> None:
         """Drop every device copy (the host stacks or the placement changed); the next call transfers anew."""
         self._copies.clear()
+        self._swaps.clear()
         self.generation += 1
+
+    @contextlib.contextmanager
+    def sending(self, device):
+        """Around a graph's lookup of its stacks: every copy on ``device`` is then written by one program per
+        swap (``slot_swap.py``), compiled when this ends, with the graph's own first programs; a copy made
+        outside (asked for directly) is written on its own until a graph sends it, its writes compiled when
+        it is made."""
+        self._sending += 1
+        try:
+            yield
+        finally:
+            self._sending -= 1
+            if not self._sending:
+                self._swap_all(str(device))
+
+    def _swap_all(self, device: str) -> None:
+        keys = [k for k in self._copies if k[2] == device]
+        swap = self._swaps.get(device)
+        if self.sharding is not None or not keys or (swap is not None and len(swap.targets) == len(keys)):
+            return
+        plains: List[Tuple[Site, str]] = list(dict.fromkeys((site, _plain(role)) for site, role, _ in keys))
+        targets = [Target(k, self._copies[k], plains.index((k[0], _plain(k[1]))), k[1].endswith("_T"))
+                   for k in keys]
+        swap = self._swaps[device] = SlotSwap(device, targets,
+                                              lambda slot: [self._host_row(site, role, slot) for site, role in plains])
+        if runtimes.for_device(device).compiles_writes:
+            self._count("bytes_to_device", n=swap.warm())
 
     def set_sharding(self, sharding) -> None:
         self.sharding = sharding
@@ -65,13 +97,19 @@ class DeviceStacks:
         if self.sharding is not None:
             self.forget()
             return
+        total = 0
+        # Stacks a graph sent: all of them in one program (those of sites not named rewritten as they are).
+        for swap in self._swaps.values():
+            total += swap.write(slot)
+        swapped = {t.key for swap in self._swaps.values() for t in swap.targets}
         sent: Dict[Tuple[Site, str, str], tuple] = {}
         index: Dict[str, torch.Tensor] = {}  # the slot number, sent once per device
-        total = 0
         for (site, role, device), copy in self._copies.items():
             if sites is not None and not sites.intersection(site if isinstance(site, tuple) else (site,)):
                 continue
-            plain = role[:-2] if role.endswith("_T") else role
+            if (site, role, device) in swapped:
+                continue
+            plain = _plain(role)
             if (site, plain, device) not in sent:
                 row = self._host_row(site, plain, slot)
                 rows = bucket(row.used(), row.width)
@@ -106,7 +144,7 @@ class DeviceStacks:
         if key not in self._copies:
             tensor = self._copies[key] = build()
             self._count("bytes_to_device", n=tensor.numel() * tensor.element_size())
-            if runtimes.for_device(tensor.device).compiles_writes and self.sharding is None:
+            if runtimes.for_device(tensor.device).compiles_writes and self.sharding is None and not self._sending:
                 self._warm_writes(key, tensor)
         return self._copies[key]
 
@@ -114,7 +152,7 @@ class DeviceStacks:
         """Compile every write a swap may run on this stack now, with the graph's own first programs, so a
         swap never compiles: slot 0 is written once per row bucket, its own bucket last (it ends as it was)."""
         site, role, _ = key
-        plain = role[:-2] if role.endswith("_T") else role
+        plain = _plain(role)
         row = self._host_row(site, plain, 0)
         own = bucket(row.used(), row.width)
         index = torch.tensor([0], device=tensor.device)
@@ -163,6 +201,11 @@ def _write_row(copy: torch.Tensor, index: torch.Tensor, row: torch.Tensor, trans
     shape and row bucket: runtimes/xla.py)."""
     copy.index_copy_(0, index, (row.transpose(0, 1) if transposed else row)[None])
     runtimes.for_device(copy.device).after_write(copy)
+
+
+def _plain(role: str) -> str:
+    """The role of the plain stack a copy is made from ("A_T" -> "A")."""
+    return role[:-2] if role.endswith("_T") else role
 
 
 def _to_device(host: torch.Tensor, device, transposed: bool) -> torch.Tensor:
