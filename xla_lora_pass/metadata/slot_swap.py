@@ -80,11 +80,13 @@ class SlotSwap:
         for row, size, piece in zip(rows, sizes, pieces):
             if piece is not None:
                 piece = on_device[piece.dtype].narrow(0, next(at), piece.numel()).view(piece.shape)
-            full.append(row.full(piece, size, self.device))
-        index = self._slot_index[slot]
+            full.append(_padded(row, piece, size, self.device))
+        index = (self._slot_index[slot],)
         for target in self.targets:
             value = full[target.row]
-            target.copy.index_copy_(0, index, (value.transpose(0, 1) if target.transposed else value)[None])
+            # index_put_ rather than index_copy_, which runs it with shape checks of its own (a third of the
+            # host time of a swap's writes, profiled)
+            target.copy.index_put_(index, (value.transpose(0, 1) if target.transposed else value).unsqueeze(0))
         runtime.after_writes([t.copy for t in self.targets])
         return sum(p.numel() * p.element_size() for p in sent)
 
@@ -94,6 +96,21 @@ class SlotSwap:
         rows = self._rows(0)
         own = self.shape_of(rows)
         return sum(self.write(0, shape, rows) for shape in [s for s in self.shapes(rows) if s != own] + [own])
+
+
+def _padded(row: SlotRow, piece: Optional[torch.Tensor], size: int, device) -> torch.Tensor:
+    """``row.full`` with one op per part (a pad): what a swap traces once per stack, so its op count is its
+    host time on XLA."""
+    if piece is None or row.dim is None:
+        return row.full(piece, size, device)
+    parts = [piece] if len(row.parts) == 1 else piece.split([min(size, p.shape[row.dim]) for p in row.parts], row.dim)
+    padded = []
+    for got, part in zip(parts, row.parts):
+        missing = part.shape[row.dim] - got.shape[row.dim]
+        # F.pad's pairs run from the last dim: (0, missing) pads dim 1, (0, 0, 0, missing) dim 0
+        padded.append(torch.nn.functional.pad(got, (0, missing) if row.dim == 1 else (0, 0, 0, missing))
+                      if missing else got)
+    return padded[0] if len(padded) == 1 else torch.cat(padded, row.dim)
 
 
 def _pack(pieces: Iterable[torch.Tensor]) -> Tuple[Dict[torch.dtype, torch.Tensor], List[int]]:

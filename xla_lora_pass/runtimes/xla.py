@@ -75,7 +75,10 @@ class XLARuntime(Runtime):
         out = []
         for t, ps in zip(tensors, pieces):
             got = [next(arrived) for _ in ps]
-            out.append((got[0] if len(got) == 1 else torch.cat(got)).view(t.shape))
+            joined = got[0] if len(got) == 1 else torch.cat(got)
+            # No view op unless needed: a tensor read as device data in one program and through a view in
+            # another makes them two programs (measured: a swap compiled again after warm-up).
+            out.append(joined if joined.shape == t.shape else joined.view(t.shape))
         return out
 
     def storage_marks(self, tensors: Sequence[torch.Tensor]) -> List[Optional[int]]:
