@@ -16,16 +16,19 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
 from .. import runtimes
-from .host_stacks import AdapterStacks
+from .host_stacks import AdapterStacks, LoadedAdapter
 from .slot_rows import SlotRow, bucket, buckets
 from .slot_swap import SlotSwap, Target
 
+STAGED = 32  # swaps staged ahead at most (a prefetch reads the next batch's few adapters)
 Site = Union[str, Tuple[str, ...]]  # one site, or the sites fused on one input
 
 
@@ -42,11 +45,14 @@ class DeviceStacks:
         self.generation = 0
         self._swaps: Dict[str, SlotSwap] = {}  # device -> the one-program write of the copies a graph sent
         self._sending = 0  # inside sending(): copies made are warmed together when it ends
+        # adapter name -> (the LoadedAdapter, {device: Staged}): swaps prepared on the prefetch thread
+        self._staged: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
+        self._staging = threading.Lock()
 
     def forget(self) -> None:
         """Drop every device copy (the host stacks or the placement changed); the next call transfers anew."""
         self._copies.clear()
-        self._swaps.clear()
+        self._swaps.clear()  # what was staged for them is ignored (Staged.swap) and ages out
         self.generation += 1
 
     @contextlib.contextmanager
@@ -71,7 +77,7 @@ class DeviceStacks:
         plains: List[Tuple[Site, str]] = list(dict.fromkeys((site, _plain(role)) for site, role, _ in keys))
         targets = [Target(k, self._copies[k], plains.index((k[0], _plain(k[1]))), k[1].endswith("_T"))
                    for k in keys]
-        swap = self._swaps[device] = SlotSwap(device, targets,
+        swap = self._swaps[device] = SlotSwap(device, targets, plains,
                                               lambda slot: [self._host_row(site, role, slot) for site, role in plains])
         if runtimes.for_device(device).compiles_writes:
             self._count("bytes_to_device", n=swap.warm())
@@ -86,7 +92,42 @@ class DeviceStacks:
         if self.sharding is not None:
             self.sharding.forget()
 
-    def write_slot(self, slot: int, sites: Optional[Set[str]] = None) -> None:
+    def stage(self, loaded: LoadedAdapter) -> None:
+        """The host side of ``loaded``'s next swap, done now (on the prefetch thread, without the metadata's
+        lock: it reads the stacks' shapes and the swaps, which only a re-registration replaces, and a swap
+        ignores what was staged for another): its rows as ``AdapterStacks.write`` will make them, cut and
+        packed per device (``SlotSwap.stage``)."""
+        staged = {device: swap.stage([self._loaded_row(loaded, site, role) for site, role in swap.plains])
+                  for device, swap in list(self._swaps.items())}
+        with self._staging:
+            self._staged[loaded.name] = (loaded, staged)
+            while len(self._staged) > STAGED:
+                self._staged.popitem(last=False)
+
+    def _loaded_row(self, loaded: LoadedAdapter, site: Site, role: str) -> SlotRow:
+        """The row ``AdapterStacks.write`` writes for ``loaded`` (zeros where it has none), as ``_host_row``
+        reads it."""
+        if isinstance(site, tuple):
+            return SlotRow(tuple(self._loaded_row(loaded, n, "A").parts[0] for n in site), 0)
+        host = {"A": self._stacks.host_a, "B": self._stacks.host_b, "bias": self._stacks.host_bias,
+                "dora": self._stacks.host_dora}[role](site)
+        row = torch.zeros(host.shape[1:], dtype=host.dtype)
+        if role in ("A", "B"):
+            weights = loaded.weights.get(site)
+            if weights is not None:
+                rank = weights[0].shape[0]
+                if role == "A":
+                    row[:rank] = weights[0]
+                else:
+                    row[:, :rank] = weights[1]
+            return SlotRow((row,), {"A": 0, "B": 1}[role])
+        value = (loaded.bias if role == "bias" else loaded.dora).get(site)
+        if value is not None:
+            row[...] = value
+        return SlotRow((row,), None)
+
+    def write_slot(self, slot: int, sites: Optional[Set[str]] = None,
+                   loaded: Optional[LoadedAdapter] = None) -> None:
         """Rewrite row ``slot`` of every device copy (of ``sites`` only, if given) from the host stacks, in place.
 
         Each stack's rows in use cross once, cut to their bucket (a transposed
@@ -99,8 +140,11 @@ class DeviceStacks:
             return
         total = 0
         # Stacks a graph sent: all of them in one program (those of sites not named rewritten as they are).
-        for swap in self._swaps.values():
-            total += swap.write(slot)
+        with self._staging:
+            entry = self._staged.pop(loaded.name, None) if loaded is not None else None
+        staged = entry[1] if entry is not None and entry[0] is loaded else {}
+        for device, swap in self._swaps.items():
+            total += swap.write(slot, staged=staged.get(device))
         swapped = {t.key for swap in self._swaps.values() for t in swap.targets}
         sent: Dict[Tuple[Site, str, str], tuple] = {}
         index: Dict[str, torch.Tensor] = {}  # the slot number, sent once per device

@@ -115,7 +115,7 @@ class AdapterPool:
         self.source = AdapterSource(
             lambda name, path, scaling, config, where: stacks.validate(name, path, scaling=scaling, config=config,
                                                                        where=where),
-            host_cache)
+            host_cache, on_prefetched=devices.stage)
         self.pinned: Set[str] = set()
         self._last_used: Dict[str, int] = {}
         self._clock = 0
@@ -266,7 +266,7 @@ class AdapterPool:
             self._stats.count("evictions")
         self._stacks.write(loaded, slot)
         self._stats.count("loads")
-        self._devices.write_slot(slot)
+        self._devices.write_slot(slot, loaded=loaded)
 
     def _keep_if_unknown(self, slot: int) -> None:
         """An adapter leaving its slot that the source cannot give back (one registered from the model)

@@ -38,12 +38,25 @@ class Target(NamedTuple):
     transposed: bool
 
 
+class Staged(NamedTuple):
+    """A swap's host side done ahead (``SlotSwap.stage``): for that swap only."""
+
+    swap: "SlotSwap"
+    shape: Tuple[int, bool]
+    sizes: Tuple[int, ...]  # rows sent per plain row
+    pieces: tuple  # per plain row: (dtype, shape) of its piece, or None when nothing is sent
+    buffers: Dict[torch.dtype, torch.Tensor]
+    offsets: Tuple[int, ...]
+    bytes: int
+
+
 class SlotSwap:
     """Writes one slot of a fixed set of device stacks (on one device) with one transfer and one program."""
 
-    def __init__(self, device: str, targets: Sequence[Target], rows: Callable[[int], List[SlotRow]]):
+    def __init__(self, device: str, targets: Sequence[Target], plains: Sequence, rows: Callable[[int], List[SlotRow]]):
         self.device = device
         self.targets = tuple(targets)
+        self.plains = tuple(plains)  # what each plain row is (the caller's keys), in Target.row order
         self._rows = rows  # slot -> the plain host rows, in Target.row order
         self._slot_index: Dict[int, torch.Tensor] = {}  # slot -> its number as a device tensor
 
@@ -60,26 +73,39 @@ class SlotSwap:
         wholes = (False, True) if any(r.dim is None for r in rows) else (False,)
         return [(b, z) for b in buckets(widest) for z in wholes]
 
-    def write(self, slot: int, shape: Optional[Tuple[int, bool]] = None, rows=None) -> int:
-        """Write ``slot`` of every target from the host rows (cut to ``shape``, default their own); return the
-        bytes sent."""
-        rows = self._rows(slot) if rows is None else rows
-        rank_bucket, whole = self.shape_of(rows) if shape is None else shape
+    def stage(self, rows: Sequence[SlotRow]) -> "Staged":
+        """The host side of a swap of these rows (their shape, the pieces cut and packed), done ahead: on the
+        prefetch thread, from an adapter read but not yet in a slot (``DeviceStacks.stage``)."""
+        return self._staged(rows, self.shape_of(rows))
+
+    def _staged(self, rows: Sequence[SlotRow], shape: Tuple[int, bool]) -> "Staged":
+        rank_bucket, whole = shape
         sizes = [rank_bucket if r.dim is not None else int(whole) for r in rows]
         pieces = [r.piece(n) for r, n in zip(rows, sizes)]
         sent = [p for p in pieces if p is not None]
+        buffers, offsets = _pack(sent)
+        return Staged(self, shape, tuple(sizes), tuple(None if p is None else (p.dtype, p.shape) for p in pieces),
+                      buffers, tuple(offsets), sum(p.numel() * p.element_size() for p in sent))
+
+    def write(self, slot: int, shape: Optional[Tuple[int, bool]] = None, rows=None,
+              staged: Optional["Staged"] = None) -> int:
+        """Write ``slot`` of every target from the host rows (cut to ``shape``, default their own), or from
+        what ``stage`` made of the same rows; return the bytes sent."""
+        rows = self._rows(slot) if rows is None else rows
+        if staged is None or staged.swap is not self:
+            staged = self._staged(rows, self.shape_of(rows) if shape is None else shape)
         runtime = runtimes.for_device(self.device)
         new_index = slot not in self._slot_index
-        buffers, offsets = _pack(sent)
-        outgoing = list(buffers.values()) + ([torch.tensor([slot])] if new_index else [])
+        outgoing = list(staged.buffers.values()) + ([torch.tensor([slot])] if new_index else [])
         arrived = runtime.send(outgoing, self.device) if outgoing else []
         if new_index:
             self._slot_index[slot] = arrived.pop()
-        on_device = dict(zip(buffers, arrived))
-        full, at = [], iter(offsets)
-        for row, size, piece in zip(rows, sizes, pieces):
+        on_device = dict(zip(staged.buffers, arrived))
+        full, at = [], iter(staged.offsets)
+        for row, size, piece in zip(rows, staged.sizes, staged.pieces):
             if piece is not None:
-                piece = on_device[piece.dtype].narrow(0, next(at), piece.numel()).view(piece.shape)
+                dtype, piece_shape = piece
+                piece = on_device[dtype].narrow(0, next(at), piece_shape.numel()).view(piece_shape)
             full.append(_padded(row, piece, size, self.device))
         index = (self._slot_index[slot],)
         for target in self.targets:
@@ -88,7 +114,7 @@ class SlotSwap:
             # host time of a swap's writes, profiled)
             target.copy.index_put_(index, (value.transpose(0, 1) if target.transposed else value).unsqueeze(0))
         runtime.after_writes([t.copy for t in self.targets])
-        return sum(p.numel() * p.element_size() for p in sent)
+        return staged.bytes
 
     def warm(self) -> int:
         """Compile every program a swap of these stacks may run, on slot 0, its own shape last (it ends as it
@@ -128,4 +154,4 @@ def _pack(pieces: Iterable[torch.Tensor]) -> Tuple[Dict[torch.dtype, torch.Tenso
     return {dtype: torch.cat(flats) for dtype, flats in by_dtype.items()}, offsets
 
 
-__all__ = ["SlotSwap", "Target"]
+__all__ = ["SlotSwap", "Staged", "Target"]
