@@ -6,11 +6,17 @@ place instead (``write_slot``): only the rows its adapter uses cross to the
 device (slot_rows.py: a rank-2 adapter at a site of rank 8 sends 2 rows of A
 and 2 columns of B; the device pads them with zeros), once for a plain and a
 transposed copy, so a swap costs the adapter's own bytes whatever the number
-of slots.  On a runtime where a write is a compiled program (XLA: one per
-stack shape and row bucket), all of a stack's are compiled when it is first
-sent, so a swap compiles nothing.  A site is one name, or a tuple of names
-for sites fused on one input (graph_rewrites/passes/fuse_shared_shrink.py):
-their A stacks concatenated along the rank dim.
+of slots.  The copies a graph looked up (``sending``) are written together
+by one ``slot_swap.SlotSwap`` per device: one host buffer, one transfer
+call, one program, compiled for every row bucket when the lookup ends (with
+the graph's own first programs); ``stage`` prepares its host side on the
+prefetch thread.  A copy asked for outside a lookup is written on its own
+until a graph sends it: on a runtime where a write is a compiled program
+(XLA: one per stack shape and row bucket), all of its writes are compiled
+when it is first sent.  Either way a swap compiles nothing.  A site is one
+name, or a tuple of names for sites fused on one input
+(graph_rewrites/passes/fuse_shared_shrink.py): their A stacks concatenated
+along the rank dim.
 
 Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
@@ -128,12 +134,15 @@ class DeviceStacks:
 
     def write_slot(self, slot: int, sites: Optional[Set[str]] = None,
                    loaded: Optional[LoadedAdapter] = None) -> None:
-        """Rewrite row ``slot`` of every device copy (of ``sites`` only, if given) from the host stacks, in place.
+        """Rewrite row ``slot`` of every device copy (of ``sites`` only, if given; the copies a graph sent are
+        all written, those of other sites with the rows they hold) from the host stacks, in place.
 
         Each stack's rows in use cross once, cut to their bucket (a transposed
         copy takes the rows sent for the plain one); the device adds the zeros.
-        A sharded copy is dropped instead and made anew, placed, at its next
-        use: its placement after an in-place write is not something we checked.
+        ``loaded``: the adapter just written to the host stacks, whose swap
+        ``stage`` may have prepared.  A sharded copy is dropped instead and
+        made anew, placed, at its next use: its placement after an in-place
+        write is not something we checked.
         """
         if self.sharding is not None:
             self.forget()

@@ -13,10 +13,12 @@ in the step's values (except for the move that sets a new mapping, which
 replaces them).  A move that finds no room is refused before anything changes.
 
 A swap writes one slot of the host stacks and of each device copy in place
-(``DeviceStacks.write_slot``): its cost is the adapter's own rows, whatever
-the number of slots, and it never recompiles a graph (stacks are graph
-inputs).  ``AdapterSource.prefetch`` reads the next mapping's directories on
-a background thread (not those of adapters already in a slot).
+(``DeviceStacks.write_slot``: the stacks a graph reads in one transfer and
+one program, slot_swap.py): its cost is the adapter's own rows, whatever the
+number of slots, and it never recompiles a graph (stacks are graph inputs).
+``AdapterSource.prefetch`` reads the next mapping's directories on a
+background thread (not those of adapters already in a slot) and stages each
+one's swap there (``DeviceStacks.stage``).
 """
 from __future__ import annotations
 

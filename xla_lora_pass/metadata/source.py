@@ -2,8 +2,9 @@
 
 Reading a directory is the slow part of a swap (file I/O, safetensors
 parsing, the cast and the checks of ``load_adapter``); ``prefetch`` does it
-on a background thread into a small host cache of validated adapters, so the
-serving thread only copies rows into the stacks.
+on a background thread into a small host cache of validated adapters, then
+hands each to ``on_prefetched`` (the pool stages its swap there), so the
+serving thread only copies rows into the stacks and starts the device write.
 """
 from __future__ import annotations
 
