@@ -107,12 +107,12 @@ class SlotSwap:
                 dtype, piece_shape = piece
                 piece = on_device[dtype].narrow(0, next(at), piece_shape.numel()).view(piece_shape)
             full.append(_padded(row, piece, size, self.device))
-        index = (self._slot_index[slot],)
+        index = self._slot_index[slot]
         for target in self.targets:
             value = full[target.row]
-            # index_put_ rather than index_copy_, which runs it with shape checks of its own (a third of the
-            # host time of a swap's writes, profiled)
-            target.copy.index_put_(index, (value.transpose(0, 1) if target.transposed else value).unsqueeze(0))
+            # In place on XLA too (the stacks are aliased to the program's outputs): 22 stacks of [N, 16, 512]
+            # written in 0.56 ms with N = 8 or 32 (index_put_: 0.79 ms).
+            target.copy.index_copy_(0, index, (value.transpose(0, 1) if target.transposed else value).unsqueeze(0))
         runtime.after_writes([t.copy for t in self.targets])
         return staged.bytes
 
