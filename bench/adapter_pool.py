@@ -2,15 +2,17 @@
 
     python bench/adapter_pool.py [--adapters 256] [--batches 60] [--reps 3]
 
-One process holds three served copies of one tiny Llama (all-linear LoRA,
-r=16): 8 slots, 32 slots, and 256 slots with every adapter loaded before the
+One process holds served copies of one tiny Llama (all-linear LoRA,
+r=16): 8 slots and 32 slots (each also with the next batch's adapters
+prefetched while a batch runs), and 256 slots with every adapter loaded before the
 stream (no swap).  The same Zipf(1.1) stream of batches (8 requests of 32
 tokens, each on its own adapter) runs through each, in rotating order within
 every repetition; a step is ``set_request_adapters`` (the swaps) plus the
 compiled call.  Printed: step time / all-resident step (median [min-max]
 over repetitions), swaps per step, milliseconds per swapped adapter, and
 adapter bytes sent to the device per step (``meta.stats["bytes_to_device"]``,
-checked against torch_xla's ``OutboundData``).
+checked against torch_xla's ``OutboundData``); then a swap of an adapter
+already read (prefetched and staged) against copying its bytes to the device.
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ def main():
     root = tempfile.mkdtemp(prefix="adapter_pool_")
     names, adapter_bytes = save_adapters(root, args.adapters, RANK)
     configs = {"8 slots": (8, False), "8 slots, next batch prefetched": (8, False), "32 slots": (32, False),
+               "32 slots, next batch prefetched": (32, False),
                f"{args.adapters} slots, all resident": (args.adapters, True)}
     served_by = {label: served(root, names, *cfg, device) for label, cfg in configs.items()}
     weights = torch.tensor([1.0 / (i + 1) ** 1.1 for i in range(len(names))])
@@ -137,23 +140,43 @@ def main():
                           "adapter kB to device / step", "all kB to device / step (OutboundData)"], rows))
     print(f"\nkB to device per swapped adapter / one adapter's {adapter_bytes / 1e3:.0f} kB: " + ", ".join(
         f"{label}: {t['bytes'] / t['loads'] / adapter_bytes:.3f}" for label, t in totals.items() if t["loads"]))
-    print("\n" + swap_write_table(served_by, names, ["8 slots", "32 slots"]))
+    print("\n" + swap_write_table(served_by, names, ["8 slots", "32 slots"], adapter_bytes, device))
 
 
-def swap_write_table(served_by, names, labels, swaps: int = 16) -> str:
-    """Milliseconds per swap of an adapter already read to the host, by slot count: the device write alone."""
+def swap_write_table(served_by, names, labels, adapter_bytes: int, device, swaps: int = 16) -> str:
+    """Per slot count: a swap of an adapter already read and staged on the host (``prefetch(wait=True)``),
+    against copying the same bytes to the device, interleaved swap by swap: once as one host tensor
+    (``.to(device)``) and once as the swap sends them (one call, ``Runtime.send``); each timed until the
+    device is done (``wait_device_ops``)."""
+    import torch
+    import torch_xla.core.xla_model as xm
+    from xla_lora_pass import runtimes
+
+    host = torch.randn(adapter_bytes // 4)
     rows = []
     for label in labels:
         meta = served_by[label][0]
-        times = []
+        swap, whole, sent = [], [], []
         for name in [n for n in names if n not in meta.slots][-swaps:]:
-            meta.prefetch([name], wait=True)  # read and checked on the host: only the slot write is timed
-            source_ready = time.perf_counter()
+            meta.prefetch([name], wait=True)  # read, checked and staged on the host: the swap alone is timed
+            xm.wait_device_ops()
+            start = time.perf_counter()
             meta.set_request_adapters([name] * ROWS)
-            times.append(time.perf_counter() - source_ready)
-        rows.append([label, meta.num_slots, f"{statistics.median(times) * 1e3:.2f}",
-                     f"{min(times) * 1e3:.2f}-{max(times) * 1e3:.2f}"])
-    return markdown_table(["configuration", "slots", "ms / swap from host (median)", "min-max"], rows)
+            xm.wait_device_ops()
+            swap.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            host.to(device)
+            xm.wait_device_ops()
+            whole.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            runtimes.for_device(device).send([host], device)
+            xm.wait_device_ops()
+            sent.append(time.perf_counter() - start)
+        rows.append([label, meta.num_slots, f"{statistics.median(swap) * 1e3:.2f}",
+                     f"{statistics.median(whole) * 1e3:.2f}", summary([a / b for a, b in zip(swap, whole)]),
+                     f"{statistics.median(sent) * 1e3:.2f}", summary([a / b for a, b in zip(swap, sent)])])
+    return markdown_table(["configuration", "slots", "ms / swap, staged (median)", "ms / copy as one tensor",
+                           "swap / copy as one tensor", "ms / copy in 64 kB pieces", "swap / copy in pieces"], rows)
 
 
 if __name__ == "__main__":

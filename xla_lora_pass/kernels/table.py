@@ -235,8 +235,9 @@ class GraphInputs:
     def __call__(self, meta: LoRAMetadata, device, token_dims, padded_dims) -> List[torch.Tensor]:
         key = (str(device), meta.stacks_generation)
         if key != self._stacks_key:
-            self._stacks = {i: _feed(req)(meta, req, device, None, None)
-                            for i, req in enumerate(self.requests) if req.kind in STACK_KINDS}
+            with meta.sending_stacks(device):  # a swap then writes all of them in one program
+                self._stacks = {i: _feed(req)(meta, req, device, None, None)
+                                for i, req in enumerate(self.requests) if req.kind in STACK_KINDS}
             self._stacks_key = key
         return [self._stacks[i] if i in self._stacks else _feed(req)(meta, req, device, token_dims, padded_dims)
                 for i, req in enumerate(self.requests)]

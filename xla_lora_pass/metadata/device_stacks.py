@@ -6,24 +6,35 @@ place instead (``write_slot``): only the rows its adapter uses cross to the
 device (slot_rows.py: a rank-2 adapter at a site of rank 8 sends 2 rows of A
 and 2 columns of B; the device pads them with zeros), once for a plain and a
 transposed copy, so a swap costs the adapter's own bytes whatever the number
-of slots.  On a runtime where a write is a compiled program (XLA: one per
-stack shape and row bucket), all of a stack's are compiled when it is first
-sent, so a swap compiles nothing.  A site is one name, or a tuple of names
-for sites fused on one input (graph_rewrites/passes/fuse_shared_shrink.py):
-their A stacks concatenated along the rank dim.
+of slots.  The copies a graph looked up (``sending``) are written together
+by one ``slot_swap.SlotSwap`` per device: one host buffer, one transfer
+call, one program, compiled for every row bucket when the lookup ends (with
+the graph's own first programs); ``stage`` prepares its host side on the
+prefetch thread.  A copy asked for outside a lookup is written on its own
+until a graph sends it: on a runtime where a write is a compiled program
+(XLA: one per stack shape and row bucket), all of its writes are compiled
+when it is first sent.  Either way a swap compiles nothing.  A site is one
+name, or a tuple of names for sites fused on one input
+(graph_rewrites/passes/fuse_shared_shrink.py): their A stacks concatenated
+along the rank dim.
 
 Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Set, Tuple, Union
+import collections
+import contextlib
+import threading
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
 from .. import runtimes
-from .host_stacks import AdapterStacks
+from .host_stacks import AdapterStacks, LoadedAdapter
 from .slot_rows import SlotRow, bucket, buckets
+from .slot_swap import SlotSwap, Target
 
+STAGED = 32  # swaps staged ahead at most (a prefetch reads the next batch's few adapters)
 Site = Union[str, Tuple[str, ...]]  # one site, or the sites fused on one input
 
 
@@ -38,11 +49,44 @@ class DeviceStacks:
         # Counts forget(): a copy handed out stays the one in use (written in place by write_slot) until the
         # generation changes, so a caller may keep it that long instead of asking again every call.
         self.generation = 0
+        self._swaps: Dict[str, SlotSwap] = {}  # device -> the one-program write of the copies a graph sent
+        self._sending = 0  # inside sending(): copies made are warmed together when it ends
+        # adapter name -> (the LoadedAdapter, {device: Staged}): swaps prepared on the prefetch thread
+        self._staged: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
+        self._staging = threading.Lock()
 
     def forget(self) -> None:
         """Drop every device copy (the host stacks or the placement changed); the next call transfers anew."""
         self._copies.clear()
+        self._swaps.clear()  # what was staged for them is ignored (Staged.swap) and ages out
         self.generation += 1
+
+    @contextlib.contextmanager
+    def sending(self, device):
+        """Around a graph's lookup of its stacks: every copy on ``device`` is then written by one program per
+        swap (``slot_swap.py``), compiled when this ends, with the graph's own first programs; a copy made
+        outside (asked for directly) is written on its own until a graph sends it, its writes compiled when
+        it is made."""
+        self._sending += 1
+        try:
+            yield
+        finally:
+            self._sending -= 1
+            if not self._sending:
+                self._swap_all(str(device))
+
+    def _swap_all(self, device: str) -> None:
+        keys = [k for k in self._copies if k[2] == device]
+        swap = self._swaps.get(device)
+        if self.sharding is not None or not keys or (swap is not None and len(swap.targets) == len(keys)):
+            return
+        plains: List[Tuple[Site, str]] = list(dict.fromkeys((site, _plain(role)) for site, role, _ in keys))
+        targets = [Target(k, self._copies[k], plains.index((k[0], _plain(k[1]))), k[1].endswith("_T"))
+                   for k in keys]
+        swap = self._swaps[device] = SlotSwap(device, targets, plains,
+                                              lambda slot: [self._host_row(site, role, slot) for site, role in plains])
+        if runtimes.for_device(device).compiles_writes:
+            self._count("bytes_to_device", n=swap.warm())
 
     def set_sharding(self, sharding) -> None:
         self.sharding = sharding
@@ -54,24 +98,71 @@ class DeviceStacks:
         if self.sharding is not None:
             self.sharding.forget()
 
-    def write_slot(self, slot: int, sites: Optional[Set[str]] = None) -> None:
-        """Rewrite row ``slot`` of every device copy (of ``sites`` only, if given) from the host stacks, in place.
+    def stage(self, loaded: LoadedAdapter) -> None:
+        """The host side of ``loaded``'s next swap, done now (on the prefetch thread, without the metadata's
+        lock: it reads the stacks' shapes and the swaps, which only a re-registration replaces, and a swap
+        ignores what was staged for another): its rows as ``AdapterStacks.write`` will make them, cut and
+        packed per device (``SlotSwap.stage``)."""
+        staged = {device: swap.stage([self._loaded_row(loaded, site, role) for site, role in swap.plains])
+                  for device, swap in list(self._swaps.items())}
+        with self._staging:
+            self._staged[loaded.name] = (loaded, staged)
+            while len(self._staged) > STAGED:
+                self._staged.popitem(last=False)
+
+    def _loaded_row(self, loaded: LoadedAdapter, site: Site, role: str) -> SlotRow:
+        """The row ``AdapterStacks.write`` writes for ``loaded`` (zeros where it has none), as ``_host_row``
+        reads it."""
+        if isinstance(site, tuple):
+            return SlotRow(tuple(self._loaded_row(loaded, n, "A").parts[0] for n in site), 0)
+        host = {"A": self._stacks.host_a, "B": self._stacks.host_b, "bias": self._stacks.host_bias,
+                "dora": self._stacks.host_dora}[role](site)
+        row = torch.zeros(host.shape[1:], dtype=host.dtype)
+        if role in ("A", "B"):
+            weights = loaded.weights.get(site)
+            if weights is not None:
+                rank = weights[0].shape[0]
+                if role == "A":
+                    row[:rank] = weights[0]
+                else:
+                    row[:, :rank] = weights[1]
+            return SlotRow((row,), {"A": 0, "B": 1}[role])
+        value = (loaded.bias if role == "bias" else loaded.dora).get(site)
+        if value is not None:
+            row[...] = value
+        return SlotRow((row,), None)
+
+    def write_slot(self, slot: int, sites: Optional[Set[str]] = None,
+                   loaded: Optional[LoadedAdapter] = None) -> None:
+        """Rewrite row ``slot`` of every device copy (of ``sites`` only, if given; the copies a graph sent are
+        all written, those of other sites with the rows they hold) from the host stacks, in place.
 
         Each stack's rows in use cross once, cut to their bucket (a transposed
         copy takes the rows sent for the plain one); the device adds the zeros.
-        A sharded copy is dropped instead and made anew, placed, at its next
-        use: its placement after an in-place write is not something we checked.
+        ``loaded``: the adapter just written to the host stacks, whose swap
+        ``stage`` may have prepared.  A sharded copy is dropped instead and
+        made anew, placed, at its next use: its placement after an in-place
+        write is not something we checked.
         """
         if self.sharding is not None:
             self.forget()
             return
+        total = 0
+        # Stacks a graph sent: all of them in one program (those of sites not named rewritten as they are).
+        with self._staging:
+            entry = self._staged.pop(loaded.name, None) if loaded is not None else None
+        staged = entry[1] if entry is not None and entry[0] is loaded else {}
+        for device, swap in self._swaps.items():
+            total += swap.write(slot, staged=staged.get(device))
+        swapped = {t.key for swap in self._swaps.values() for t in swap.targets}
         sent: Dict[Tuple[Site, str, str], tuple] = {}
         index: Dict[str, torch.Tensor] = {}  # the slot number, sent once per device
-        total = 0
         for (site, role, device), copy in self._copies.items():
             if sites is not None and not sites.intersection(site if isinstance(site, tuple) else (site,)):
                 continue
-            plain = role[:-2] if role.endswith("_T") else role
+            if (site, role, device) in swapped:
+                continue
+            plain = _plain(role)
             if (site, plain, device) not in sent:
                 row = self._host_row(site, plain, slot)
                 rows = bucket(row.used(), row.width)
@@ -106,7 +197,7 @@ class DeviceStacks:
         if key not in self._copies:
             tensor = self._copies[key] = build()
             self._count("bytes_to_device", n=tensor.numel() * tensor.element_size())
-            if runtimes.for_device(tensor.device).compiles_writes and self.sharding is None:
+            if runtimes.for_device(tensor.device).compiles_writes and self.sharding is None and not self._sending:
                 self._warm_writes(key, tensor)
         return self._copies[key]
 
@@ -114,7 +205,7 @@ class DeviceStacks:
         """Compile every write a swap may run on this stack now, with the graph's own first programs, so a
         swap never compiles: slot 0 is written once per row bucket, its own bucket last (it ends as it was)."""
         site, role, _ = key
-        plain = role[:-2] if role.endswith("_T") else role
+        plain = _plain(role)
         row = self._host_row(site, plain, 0)
         own = bucket(row.used(), row.width)
         index = torch.tensor([0], device=tensor.device)
@@ -163,6 +254,11 @@ def _write_row(copy: torch.Tensor, index: torch.Tensor, row: torch.Tensor, trans
     shape and row bucket: runtimes/xla.py)."""
     copy.index_copy_(0, index, (row.transpose(0, 1) if transposed else row)[None])
     runtimes.for_device(copy.device).after_write(copy)
+
+
+def _plain(role: str) -> str:
+    """The role of the plain stack a copy is made from ("A_T" -> "A")."""
+    return role[:-2] if role.endswith("_T") else role
 
 
 def _to_device(host: torch.Tensor, device, transposed: bool) -> torch.Tensor:

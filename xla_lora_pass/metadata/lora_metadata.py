@@ -17,6 +17,7 @@ is all-or-nothing for other threads (docs/reliability.md).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
@@ -241,6 +242,13 @@ class LoRAMetadata(MappingFacade):
     def stacks_generation(self) -> int:
         """Changes whenever the device stacks are made anew: until then ``stacked_*`` return the same tensors."""
         return self._devices.generation
+
+    @contextlib.contextmanager
+    def sending_stacks(self, device):
+        """Around a graph's lookup of its stacks (``DeviceStacks.sending``): a swap then writes every stack on
+        ``device`` with one program, compiled when the lookup ends."""
+        with self._lock, self._devices.sending(device):
+            yield
 
     stacked_a = _forward("_devices", DeviceStacks.stacked_a)
     stacked_b = _forward("_devices", DeviceStacks.stacked_b)

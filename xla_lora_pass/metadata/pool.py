@@ -13,10 +13,12 @@ in the step's values (except for the move that sets a new mapping, which
 replaces them).  A move that finds no room is refused before anything changes.
 
 A swap writes one slot of the host stacks and of each device copy in place
-(``DeviceStacks.write_slot``): its cost is the adapter's own rows, whatever
-the number of slots, and it never recompiles a graph (stacks are graph
-inputs).  ``AdapterSource.prefetch`` reads the next mapping's directories on
-a background thread (not those of adapters already in a slot).
+(``DeviceStacks.write_slot``: the stacks a graph reads in one transfer and
+one program, slot_swap.py): its cost is the adapter's own rows, whatever the
+number of slots, and it never recompiles a graph (stacks are graph inputs).
+``AdapterSource.prefetch`` reads the next mapping's directories on a
+background thread (not those of adapters already in a slot) and stages each
+one's swap there (``DeviceStacks.stage``).
 """
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ class AdapterPool:
         self.source = AdapterSource(
             lambda name, path, scaling, config, where: stacks.validate(name, path, scaling=scaling, config=config,
                                                                        where=where),
-            host_cache)
+            host_cache, on_prefetched=devices.stage)
         self.pinned: Set[str] = set()
         self._last_used: Dict[str, int] = {}
         self._clock = 0
@@ -266,7 +268,7 @@ class AdapterPool:
             self._stats.count("evictions")
         self._stacks.write(loaded, slot)
         self._stats.count("loads")
-        self._devices.write_slot(slot)
+        self._devices.write_slot(slot, loaded=loaded)
 
     def _keep_if_unknown(self, slot: int) -> None:
         """An adapter leaving its slot that the source cannot give back (one registered from the model)

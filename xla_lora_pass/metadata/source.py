@@ -2,8 +2,9 @@
 
 Reading a directory is the slow part of a swap (file I/O, safetensors
 parsing, the cast and the checks of ``load_adapter``); ``prefetch`` does it
-on a background thread into a small host cache of validated adapters, so the
-serving thread only copies rows into the stacks.
+on a background thread into a small host cache of validated adapters, then
+hands each to ``on_prefetched`` (the pool stages its swap there), so the
+serving thread only copies rows into the stacks and starts the device write.
 """
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ class AdapterSource:
     Thread safe: ``prefetch`` reads on one background thread.
     """
 
-    def __init__(self, validate: Validate, host_cache: int = 16):
+    def __init__(self, validate: Validate, host_cache: int = 16,
+                 on_prefetched: Callable[[LoadedAdapter], None] = lambda loaded: None):
         if host_cache < 0:
             raise ValueError(f"host_cache must be >= 0, got {host_cache}")
         self._validate = validate
+        self._on_prefetched = on_prefetched  # more host work for a swap, on the prefetch thread (staging)
         self._dirs: Dict[str, tuple] = {}  # name -> (directory, scaling, config)
         self._kept: Dict[str, LoadedAdapter] = {}  # host copies (a state dict loaded, a slot evicted)
         self._read: "collections.OrderedDict[str, LoadedAdapter]" = collections.OrderedDict()
@@ -120,7 +123,7 @@ class AdapterSource:
 
     def _prefetch_one(self, name: str, entry: tuple) -> None:
         try:
-            self._read_now(name, entry, f"prefetch({name!r})")
+            self._on_prefetched(self._read_now(name, entry, f"prefetch({name!r})"))
         except Exception:  # noqa: BLE001  get() reads again and raises it on the serving thread
             pass
         finally:

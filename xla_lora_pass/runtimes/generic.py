@@ -39,6 +39,16 @@ class Runtime:
     def after_write(self, tensor: torch.Tensor) -> None:
         """Start the in-place write just made into ``tensor`` (eager devices already have)."""
 
+    def after_writes(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Start the in-place writes just made into ``tensors`` (one swap's: metadata/slot_swap.py)."""
+        for tensor in tensors:
+            self.after_write(tensor)
+
+    def send(self, tensors: Sequence[torch.Tensor], device) -> List[torch.Tensor]:
+        """Copies of host ``tensors`` on ``device``, sent in one call where the runtime has one (a swap's
+        buffer and slot number: metadata/slot_swap.py)."""
+        return [t.to(device) for t in tensors]
+
     def storage_marks(self, tensors: Sequence[torch.Tensor]) -> List[Optional[int]]:
         """Each tensor's storage, as a value that changes when the tensor gets new storage (its data pointer)."""
         return [t.data_ptr() for t in tensors]
