@@ -56,6 +56,10 @@ def main(argv=None) -> int:
     import xla_lora_pass as xlp
     from xla_lora_pass.serving import generate_mask
 
+    # Three batch sizes, prompt and decode graphs, two compiled forwards of the base model: past Dynamo's
+    # default limit of 8 per code object, a forward would fall back to eager.
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     dev = torch_xla.device()
     batches = [int(b) for b in args.batch.split(",")]
     base_cpu, peft_cpu, names = build_models(args.adapters)

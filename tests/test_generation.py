@@ -298,10 +298,17 @@ def test_precompile_generate_warms_the_programs_generate_runs(device, inner, fam
 def test_generate_builds_no_mask_on_the_host_and_matches_eager_peft(device, inner, monkeypatch):
     """A static-cache generate's 4-d masks are made inside the compiled forward: HF's create_masks_for_generate
     never runs (it ran once per step before), and the tokens of left-padded rows stay eager PEFT's."""
+    import transformers
     from transformers.generation import utils as generation_utils
+
+    from xla_lora_pass.serving.generate_mask import applies_to
 
     torch._dynamo.reset()
     model, _ = tiny_peft_llama(seed=3)
+    if not applies_to(model.get_base_model()):
+        # Only transformers 5 may refuse a Llama: its generate passes no cache_position, and HF's mask is kept.
+        assert int(transformers.__version__.split(".")[0]) >= 5, transformers.__version__
+        pytest.skip("transformers 5: generate passes no cache_position, HF builds the mask")
     ids, mask = _prompts()
     reference = _generate(model, ids, mask, ROWS, "static")
     model.to(device)
