@@ -84,13 +84,14 @@ class GenerateMask:
 
 def applies_to(transformer: torch.nn.Module) -> bool:
     """Whether a generate of this model can get its masks in the program: a decoder-only model using HF's
-    general ``create_masks_for_generate`` (none of its own), whose forward takes ``cache_position``."""
+    general ``create_masks_for_generate`` (none of its class's or set on it), whose forward takes
+    ``cache_position``."""
     from transformers import masking_utils
 
     config = getattr(transformer, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
-    if hasattr(type(transformer), "create_masks_for_generate") or not hasattr(masking_utils,
+    if hasattr(transformer, "create_masks_for_generate") or not hasattr(masking_utils,
                                                                               "create_masks_for_generate"):
         return False
     forward = type(transformer).forward
