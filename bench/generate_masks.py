@@ -10,13 +10,15 @@ script times a full greedy ``generate`` four ways, side by side in one process:
 
 * ``base, openxla`` / ``xla_lora``: as ``bench/decode_step.py`` times them (HF's ``generate`` on the base
   model with its forward compiled with openxla; PEFT's ``generate(adapter_names=...)`` served by this
-  backend), each on a static cache of the same bucketed length;
+  backend, which makes each step's mask inside its compiled forward: serving/generate_mask.py), each on a
+  static cache of the same bucketed length;
 * ``..., compiled masks``: the same, with the model's ``create_masks_for_generate`` replaced for the run by
   one ``torch.compile(backend="openxla")`` of HF's own function, called on the 2-d mask padded with zeros
-  to the cache length (what HF's ``prepare_padding_mask`` pads it with), so every step has one shape.
+  to the cache length (what HF's ``prepare_padding_mask`` pads it with), so every step has one shape (for
+  ``xla_lora``, in place of its in-program mask: a mask function set on the model is kept).
 
-An experiment, not something the package does: it shows how much of a token's
-time is the mask, for the base model and this backend alike.  The tokens of
+An experiment: it shows how much of a token's time is the mask, for the base model and this backend
+alike (``bench/generate_loop.py`` times this backend's own in-program mask).  The tokens of
 each pair are checked equal before timing.
 """
 from __future__ import annotations

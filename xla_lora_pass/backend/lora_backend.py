@@ -119,7 +119,7 @@ class LoRABackend:
         return self.meta.stats["compiles"] - before
 
     def precompile_generate(self, model, batch_sizes: Iterable[int], prompt_lengths: Iterable[int],
-                            max_new_tokens: int, progress: bool = True) -> int:
+                            max_new_tokens: int, progress: bool = True, **generate_kwargs) -> int:
         """Warm the prompt and decode programs ``model.generate`` will run; returns the programs compiled.
 
         One short generate per (batch size, prompt length), on a static cache
@@ -135,7 +135,7 @@ class LoRABackend:
         with self.meta.warming_up(), progress_bar(shapes, "precompile generate", progress) as bar:
             for batch, length in bar:
                 bar.set_postfix_str(f"batch {batch}, prompt {length}")
-                warm_generate(self.serving.route, model, batch, length, max_new_tokens)
+                warm_generate(self.serving.route, model, batch, length, max_new_tokens, **generate_kwargs)
         return self.meta.stats["compiles"] - before
 
 

@@ -14,7 +14,9 @@ registered model (``ModelServing``, made by ``make_backend``) replaces
   at one ``torch.compile`` of it with that backend for the duration of the
   call, so the prompt (or encoder) step and every decode step run the
   rewritten programs;
-- gives it a static cache of a bucketed length (static_cache.py).
+- gives it a static cache of a bucketed length (static_cache.py);
+- builds each step's attention mask inside the compiled forward, where the
+  model and transformers allow it (generate_mask.py), not eagerly per step.
 
 A ``past_key_values`` the caller builds is used as given if it is a
 compileable (static) cache and refused otherwise, with an error that says to
@@ -31,6 +33,7 @@ import weakref
 import torch
 
 from ..errors import UnsupportedMappingError
+from . import generate_mask
 from .generate_args import expansion, prompt_of
 from .static_cache import use_bucketed_static_cache
 
@@ -69,6 +72,8 @@ class GenerateRoute:
         compiled = self.compiled_forwards.get(transformer)
         if compiled is None:
             forward = transformer.__dict__.get("forward") or type(transformer).forward.__get__(transformer)
+            if generate_mask.applies_to(transformer):
+                forward = generate_mask.forward_setting_step_mask(forward)
             compiled = self.compiled_forwards[transformer] = torch.compile(forward, backend=self.backend)
         return compiled
 
@@ -96,7 +101,10 @@ def routed_generate(route: GenerateRoute, model: torch.nn.Module, original, *arg
     route.use_static_cache(transformer, args, kwargs)
     with contextlib.ExitStack() as stack:
         for module in _served_modules(transformer):
-            stack.enter_context(_forward_through(module, route.compiled_forward(module)))
+            if generate_mask.applies_to(module):
+                stack.enter_context(generate_mask.masks_in_program(module, route.compiled_forward(module)))
+            else:
+                stack.enter_context(_forward_through(module, route.compiled_forward(module)))
         return original(*args, **kwargs)
 
 
@@ -167,12 +175,21 @@ def _forward_through(transformer: torch.nn.Module, compiled):
 
 
 def warm_generate(route: GenerateRoute, model: torch.nn.Module, batch: int, prompt_length: int,
-                  max_new_tokens: int) -> None:
-    """Two-token generates of ``batch`` prompts of ``prompt_length`` ids, unpadded and left-padded.
+                  max_new_tokens: int, **generate_kwargs) -> None:
+    """Generates of ``max_new_tokens`` tokens from ``batch`` prompts of ``prompt_length`` ids, unpadded and
+    left-padded, with ``generate_kwargs`` (the settings serving's generates will have).
 
+    Full length, not a token or two: HF's loop keeps its tokens and mask in
+    tensors that grow by a column per step, and on XLA each step's ops on
+    them (slicing the step's ids, position ids, the stopping criteria) are
+    one small program per sequence length.  The first generate of a shape
+    runs other programs than every later one (Dynamo's compiles in between
+    leave other tensors pending), so the unpadded prompt's runs again last.
+    Stopping at an end token would leave later lengths cold, so the end
+    tokens are ids past the vocabulary (the same ops, on values no step makes).
+    Each result is read back to the host, as a caller's is.
     The cache has the length a generate of ``max_new_tokens`` gets (an
-    encoder-decoder's: the decoder's and the encoder's), so the decode
-    program is the one serving will run.
+    encoder-decoder's: the decoder's and the encoder's).
     """
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
     transformer = getattr(transformer, "_orig_mod", transformer)  # a torch.compile wrapper
@@ -183,8 +200,26 @@ def warm_generate(route: GenerateRoute, model: torch.nn.Module, batch: int, prom
     masks = [torch.ones_like(ids)]
     if prompt_length > 1:  # a left-padded prompt: transformers 5 traces another mask path for it
         masks.append(torch.ones_like(ids).index_fill_(1, torch.tensor([0], device=ids.device), 0))
-    for mask in masks:
+    settings = {"do_sample": False, "pad_token_id": 0, **generate_kwargs}
+    unreachable = _unreachable_end_tokens(transformer, settings)
+    if unreachable is not None:
+        settings["eos_token_id"] = unreachable
+    for mask in masks + masks[:1]:
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2,
-                           do_sample=False, pad_token_id=0, past_key_values=cache)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 past_key_values=cache, **settings)
+        # Read back as the caller will: the program that assembles the returned ids.
+        getattr(out, "sequences", out).cpu()
         cache.reset()
+
+
+def _unreachable_end_tokens(transformer: torch.nn.Module, settings: dict):
+    """As many end-token ids as the generate would stop at, each past the vocabulary (None: it has none)."""
+    config = getattr(transformer, "generation_config", None)
+    given = settings.get("eos_token_id", getattr(config, "eos_token_id", None))
+    if given is None:
+        return None
+    vocab = transformer.get_output_embeddings().weight.shape[0] if transformer.get_output_embeddings() is not None \
+        else transformer.config.vocab_size
+    count = len(given) if isinstance(given, (list, tuple)) else 1
+    return [vocab + i for i in range(count)] if isinstance(given, (list, tuple)) else vocab
