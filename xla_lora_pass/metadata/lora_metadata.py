@@ -209,6 +209,21 @@ class LoRAMetadata(MappingFacade):
         self._model_weights.refresh()
 
     sync_model_weights = _forward("_model_weights", ModelWeights.sync)
+
+    @contextlib.contextmanager
+    def model_weights_synced_once(self):
+        """Within: the model's LoRA tensors are checked (and what changed re-stacked) once, at entry, not at
+        every compiled call.  ``generate`` runs its steps so: the check reads every watched tensor's version
+        and storage (0.64 ms a call for 896 tensors on XLA:CPU, a sixth of a batch-1 decode step), and
+        nothing writes the weights between two steps of one generate."""
+        self.sync_model_weights()
+        with self._lock:
+            self._model_weights.hold()
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._model_weights.release()
     follow_scalings = _forward("_model_weights", ModelWeights.follow_scalings)
 
     @_locked

@@ -38,6 +38,7 @@ class ModelWeights:
                  count: Callable[..., None]):
         self._stacks, self._devices, self._source, self._count = stacks, devices, source, count
         self._watch = WeightWatch()
+        self._held = 0  # > 0: inside hold(), sync reads nothing
 
     def watch(self) -> None:
         """After ``register_adapters``: every registered adapter holds the model's weights."""
@@ -67,6 +68,8 @@ class ModelWeights:
         """Re-stack what changed in the model's own LoRA tensors since they were stacked (PEFT's
         ``hotswap_adapter``, ``load_state_dict``, an optimizer step); every compiled call runs it first.
         Returns the number of (site, adapter) pairs read again."""
+        if self._held:
+            return 0
         changed = self._watch.changed()
         if not changed:
             return 0
@@ -79,6 +82,13 @@ class ModelWeights:
         pairs = sum(len(sites) for sites in changed.values())
         self._count("weight_refreshes", n=pairs)
         return pairs
+
+    def hold(self) -> None:
+        """Until ``release``: ``sync`` reads nothing (the caller synced just before; nesting counts)."""
+        self._held += 1
+
+    def release(self) -> None:
+        self._held -= 1
 
     def follow_scalings(self, values: Dict[Tuple[str, str], float]) -> None:
         """``values``: each (site, adapter)'s scaling as this call's graph applies it: an input Dynamo made of

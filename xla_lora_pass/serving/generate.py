@@ -16,7 +16,9 @@ registered model (``ModelServing``, made by ``make_backend``) replaces
   rewritten programs;
 - gives it a static cache of a bucketed length (static_cache.py);
 - builds each step's attention mask inside the compiled forward, where the
-  model and transformers allow it (generate_mask.py), not eagerly per step.
+  model and transformers allow it (generate_mask.py), not eagerly per step;
+- checks the model's own LoRA tensors for changes once, before the first
+  step (``meta.model_weights_synced_once``), not at every step.
 
 A ``past_key_values`` the caller builds is used as given if it is a
 compileable (static) cache and refused otherwise, with an error that says to
@@ -100,6 +102,7 @@ def routed_generate(route: GenerateRoute, model: torch.nn.Module, original, *arg
     _drop_stale_peft_hooks(model)
     route.use_static_cache(transformer, args, kwargs)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(meta.model_weights_synced_once())  # not once per step: see its doc
         for module in _served_modules(transformer):
             if generate_mask.applies_to(module):
                 stack.enter_context(generate_mask.masks_in_program(module, route.compiled_forward(module)))
