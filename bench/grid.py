@@ -72,6 +72,9 @@ def child(args) -> int:
     from packed import random_mapping, segment_mapping
     from step_time import build_models
 
+    # Dynamo guards on each static cache's identity: one graph per stream and token count (as decode_step.py).
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     dev = torch_xla.device()
     inter, heads, kv_heads = SHAPES[args.hidden]
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -203,9 +206,9 @@ def main(argv=None) -> int:
         rows += run_child("grid.py", flags, f"hidden {p['hidden']}, vocab {p['vocab']}, {p['adapters']} adapters")[
             "results"]
     cmd = "python bench/grid.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"# `{cmd.strip()}`\n\n{os.cpu_count()}-core CPU, XLA on the CPU, fp32, r={RANK}; {args.reps} "
-          f"repetitions, ratios to the base model within each, median [min-max]; total {time.perf_counter() - start:.0f} s."
-          "\n\n" + table(rows))
+    total = time.perf_counter() - start
+    print(f"# `{cmd.strip()}`\n\n{os.cpu_count()}-core CPU, XLA on the CPU, fp32, r={RANK}; {args.reps} repetitions, "
+          f"ratios to the base model within each, median [min-max]; total {total:.0f} s.\n\n" + table(rows))
     return 0
 
 
