@@ -1,4 +1,4 @@
-"""FLOP floors for a Llama-style decoder: what LoRA adds over the base model, per token.
+"""FLOP and byte floors for a Llama-style decoder: what LoRA adds over the base model, per token or per step.
 
 A rewrite at the base model's cost runs at ``1 + LoRA FLOPs / base FLOPs``
 of the base model's time at best; every table prints its ratios beside that
@@ -31,7 +31,27 @@ def lora_flops_per_token(hidden: int, intermediate: int, layers: int, rank: int,
     return layers * sum(2 * rank * (i + o) for i, o in linear_shapes(hidden, intermediate, kv))
 
 
-def flop_floor(hidden: int, intermediate: int, layers: int, vocab: int, rank: int, context: int) -> float:
+def flop_floor(hidden: int, intermediate: int, layers: int, vocab: int, rank: int, context: int,
+               kv_hidden: int = None) -> float:
     """``1 + LoRA FLOPs / base FLOPs``: the least a LoRA step can cost, as a multiple of the base step."""
-    base = base_flops_per_token(hidden, intermediate, layers, vocab, context)
-    return 1 + lora_flops_per_token(hidden, intermediate, layers, rank) / base
+    base = base_flops_per_token(hidden, intermediate, layers, vocab, context, kv_hidden)
+    return 1 + lora_flops_per_token(hidden, intermediate, layers, rank, kv_hidden) / base
+
+
+def lora_bytes_per_adapter(hidden: int, intermediate: int, layers: int, rank: int, kv_hidden: int = None,
+                           itemsize: int = 4) -> float:
+    """Bytes of one adapter's A and B over every linear of the decoder layers."""
+    kv = hidden if kv_hidden is None else kv_hidden
+    return itemsize * layers * sum(rank * (i + o) for i, o in linear_shapes(hidden, intermediate, kv))
+
+
+def decode_byte_floor(hidden: int, intermediate: int, layers: int, vocab: int, rank: int, adapters_read: int,
+                      batch: int, cache_len: int, kv_hidden: int = None, itemsize: int = 4) -> float:
+    """``1 + LoRA bytes / base bytes`` of one decode step, whose time is the bytes it reads: the base step reads
+    every linear's weight, ``lm_head`` and the K and V cache of every row once; LoRA adds the A and B of the
+    ``adapters_read`` distinct adapters of the batch (activations, a few KB, are not counted)."""
+    kv = hidden if kv_hidden is None else kv_hidden
+    weights = layers * sum(i * o for i, o in linear_shapes(hidden, intermediate, kv)) + hidden * vocab
+    cache = 2 * layers * batch * cache_len * kv
+    base = itemsize * (weights + cache)
+    return 1 + adapters_read * lora_bytes_per_adapter(hidden, intermediate, layers, rank, kv, itemsize) / base

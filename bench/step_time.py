@@ -44,14 +44,18 @@ from _timing import emit, ratios, time_interleaved
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, VOCAB, RANK, ALPHA, BATCH = 512, 1408, 4, 8, 4096, 16, 32, 16
 
 
-def build_models(num_adapters: int, layers: int = LAYERS, seed: int = 0):
-    """(base model without LoRA, PEFT model with ``num_adapters`` all-linear adapters, adapter names), on the CPU."""
+def build_models(num_adapters: int, layers: int = LAYERS, seed: int = 0, hidden: int = HIDDEN,
+                 intermediate: int = INTERMEDIATE, vocab: int = VOCAB, heads: int = HEADS, kv_heads: int = None):
+    """(base model without LoRA, PEFT model with ``num_adapters`` all-linear adapters, adapter names), on the CPU.
+
+    The shape defaults are this benchmark's model; bench/grid.py passes others (``kv_heads``: default ``heads``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                      num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads if kv_heads is None else kv_heads,
                       max_position_embeddings=2048)
     base = LlamaForCausalLM(cfg).eval()
     peft_model = None
