@@ -11,46 +11,22 @@ import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import tiny_peft_llama
 from xla_lora_pass.serving.static_cache import static_cache
 
+from .generate_cases import (CACHES, NEW_TOKENS, ROWS, adapter_names_of, generate_rows,
+                             left_padded_prompts)
 from .xla_utils import device_compiles
 
-ROWS = ["sql", "chat", None, "code"]
 ROTATIONS = [ROWS, ROWS[1:] + ROWS[:1], ROWS[2:] + ROWS[:2]]
-NEW_TOKENS = 16
-CACHES = {"dynamic": {}, "static": {"cache_implementation": "static"}}
 BEAMS = dict(num_beams=2, num_return_sequences=2, max_new_tokens=6)
-
-
-def _names(rows):
-    return ["__base__" if r is None else r for r in rows]
-
-
-def _prompts():
-    """Four left-padded prompts of lengths 6, 4, 5 and 3."""
-    ids = torch.randint(3, 128, (4, 6), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate((0, 2, 1, 3)):
-        ids[row, :pad], mask[row, :pad] = 0, 0
-    return ids, mask
-
-
-def _generate(model, ids, mask, rows, cache, device=None, **extra):
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-              adapter_names=_names(rows), **CACHES[cache])
-    kw.update(extra)
-    if device is not None:
-        kw.update(input_ids=ids.to(device), attention_mask=mask.to(device))
-    with torch.no_grad():
-        return model.generate(**kw).cpu()
 
 
 @pytest.fixture(scope="module")
 def llama(device, inner):
     torch._dynamo.reset()
     model, _ = tiny_peft_llama()
-    ids, mask = _prompts()
-    refs = {(cache, i): _generate(model, ids, mask, rows, cache) for cache in CACHES
+    ids, mask = left_padded_prompts()
+    refs = {(cache, i): generate_rows(model, ids, mask, rows, cache) for cache in CACHES
             for i, rows in enumerate(ROTATIONS)}
-    beam_refs = [_generate(model, ids, mask, rows, "dynamic", **BEAMS) for rows in ROTATIONS]
+    beam_refs = [generate_rows(model, ids, mask, rows, "dynamic", **BEAMS) for rows in ROTATIONS]
     model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)
@@ -66,7 +42,7 @@ def test_peft_generate_on_the_compiled_model_runs_the_rewritten_programs(llama, 
     for i, rows in enumerate(ROTATIONS):
         steps_before = sum(meta.stats["bucket_hits"].values())
         compiles_before = device_compiles(llama["device"], meta)
-        out = _generate(llama["compiled"], llama["ids"], llama["mask"], rows, cache, llama["device"])
+        out = generate_rows(llama["compiled"], llama["ids"], llama["mask"], rows, cache, llama["device"])
         assert torch.equal(out, llama["refs"][(cache, i)]), f"rotation {i}:\n{out}\n{llama['refs'][(cache, i)]}"
         # Every forward step (the prompt, then one per further token) ran one of the backend's programs.
         assert sum(meta.stats["bucket_hits"].values()) - steps_before == NEW_TOKENS
@@ -88,7 +64,7 @@ def test_beam_search_keeps_the_serving_cache_and_its_programs(llama):
     meta = llama["meta"]
     for i, rows in enumerate(ROTATIONS):
         compiles_before, device_before = meta.stats["compiles"], device_compiles(llama["device"], meta)
-        out = _generate(llama["compiled"], llama["ids"], llama["mask"], rows, "dynamic", llama["device"], **BEAMS)
+        out = generate_rows(llama["compiled"], llama["ids"], llama["mask"], rows, "dynamic", llama["device"], **BEAMS)
         assert torch.equal(out, llama["beam_refs"][i]), f"rotation {i}:\n{out}\n{llama['beam_refs'][i]}"
         if i > 0:
             assert meta.stats["compiles"] == compiles_before, f"generate {i + 1} compiled the backend again"
@@ -101,14 +77,14 @@ def test_generate_past_max_num_tokens_gets_a_longer_cache(device, inner):
     """max_num_tokens bounds the tokens of one call (here 2 rows of 6), not a row's prompt + new tokens (22)."""
     torch._dynamo.reset()
     model, _ = tiny_peft_llama()
-    ids, mask = (t[:2] for t in _prompts())
+    ids, mask = (t[:2] for t in left_padded_prompts())
     rows = ROWS[:2]
-    ref = _generate(model, ids, mask, rows, "dynamic")
+    ref = generate_rows(model, ids, mask, rows, "dynamic")
     model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=16)
     meta.register_adapters(model)
     compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
-    assert torch.equal(_generate(compiled, ids, mask, rows, "dynamic", device), ref)
+    assert torch.equal(generate_rows(compiled, ids, mask, rows, "dynamic", device), ref)
 
 
 @pytest.mark.compat
@@ -119,20 +95,20 @@ def test_generate_of_a_batch_between_buckets_after_another_batch(device, inner, 
     to expand a dimension of length 3 -> 4")."""
     torch._dynamo.reset()
     model = tiny_peft_llama()[0] if family == "llama" else _peft_t5(initializer_factor=10.0)
-    ids, mask = _prompts() if family == "llama" else _t5_prompts()
+    ids, mask = left_padded_prompts() if family == "llama" else _t5_prompts()
     batches = [(ids, mask, ROWS), (ids[:3], mask[:3], ROWS[:3])]
-    refs = [_generate(model, i, m, rows, "dynamic") for i, m, rows in batches]
+    refs = [generate_rows(model, i, m, rows, "dynamic") for i, m, rows in batches]
     model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)
     compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
     for (i, m, rows), ref in zip(batches, refs):
-        assert torch.equal(_generate(compiled, i, m, rows, "dynamic", device), ref), f"{len(rows)} rows"
+        assert torch.equal(generate_rows(compiled, i, m, rows, "dynamic", device), ref), f"{len(rows)} rows"
 
 
 def test_generate_refuses_adapter_names_of_another_batch(llama):
     with pytest.raises(xlp.UnsupportedMappingError, match="adapter_names has 3 names but the prompt has 4 rows"):
-        _generate(llama["compiled"], llama["ids"], llama["mask"], ROWS[:3], "static", llama["device"])
+        generate_rows(llama["compiled"], llama["ids"], llama["mask"], ROWS[:3], "static", llama["device"])
 
 
 def test_generate_refuses_a_growing_cache_object(llama):
@@ -141,7 +117,7 @@ def test_generate_refuses_a_growing_cache_object(llama):
     with pytest.raises(ValueError, match="DynamicCache, which grows by one position per token.*'static'"):
         with torch.no_grad():
             llama["compiled"].generate(input_ids=llama["ids"].to(llama["device"]), max_new_tokens=2,
-                                       past_key_values=DynamicCache(), adapter_names=_names(ROWS))
+                                       past_key_values=DynamicCache(), adapter_names=adapter_names_of(ROWS))
 
 
 def _greedy_loop(step, ids, steps):
@@ -165,7 +141,7 @@ def test_static_cache_decode_loop_with_request_adapters(device, inner):
     def eager_step(x, position):
         with torch.no_grad():
             return model(input_ids=x, past_key_values=eager_cache, use_cache=True,
-                         adapter_names=_names(ROWS)).logits
+                         adapter_names=adapter_names_of(ROWS)).logits
 
     reference = _greedy_loop(eager_step, ids, 64)
     model.to(device)
@@ -216,7 +192,7 @@ def test_t5_encoder_and_decoder_of_different_lengths_on_per_row_adapters(device,
     gen = torch.Generator().manual_seed(1)
     ids, decoder_ids = torch.randint(1, 64, (4, 8), generator=gen), torch.randint(1, 64, (4, 4), generator=gen)
     with torch.no_grad():
-        reference = model(input_ids=ids, decoder_input_ids=decoder_ids, adapter_names=_names(ROWS)).logits
+        reference = model(input_ids=ids, decoder_input_ids=decoder_ids, adapter_names=adapter_names_of(ROWS)).logits
     model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)
@@ -237,7 +213,7 @@ def test_t5_generate_on_the_compiled_model_is_exact_with_bounded_programs(device
     torch._dynamo.reset()
     model = _peft_t5(initializer_factor=10.0)  # larger weights: greedy tokens that change from step to step
     ids, mask = _t5_prompts()
-    refs = [_generate(model, ids, mask, rows, cache) for rows in ROTATIONS]
+    refs = [generate_rows(model, ids, mask, rows, cache) for rows in ROTATIONS]
     assert len({tuple(r.flatten().tolist()) for r in refs}) == 3, "the rotations must give different tokens"
     model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=256)
@@ -246,7 +222,7 @@ def test_t5_generate_on_the_compiled_model_is_exact_with_bounded_programs(device
     compiles = []
     for i, rows in enumerate(ROTATIONS):
         steps_before, compiles_before = sum(meta.stats["bucket_hits"].values()), device_compiles(device, meta)
-        out = _generate(compiled, ids, mask, rows, cache, device)
+        out = generate_rows(compiled, ids, mask, rows, cache, device)
         assert torch.equal(out, refs[i]), f"rotation {i}:\n{out}\n{refs[i]}"
         # The encoder once, then one decoder step per new token, each through a rewritten program.
         assert sum(meta.stats["bucket_hits"].values()) - steps_before == NEW_TOKENS + 1
@@ -268,7 +244,7 @@ def _t5_prompts():
 
 # (model, prompts, programs at least: llama's prompt step and decode step; T5's encoder, first and later
 # decoder steps)
-PRECOMPILED = {"llama": (lambda: tiny_peft_llama(seed=2)[0], _prompts, 2),
+PRECOMPILED = {"llama": (lambda: tiny_peft_llama(seed=2)[0], left_padded_prompts, 2),
                "t5": (lambda: _peft_t5(initializer_factor=10.0), _t5_prompts, 3)}
 
 
@@ -278,7 +254,7 @@ def test_precompile_generate_warms_the_programs_generate_runs(device, inner, fam
     make_model, prompts, programs = PRECOMPILED[family]
     model = make_model()
     ids, mask = prompts()
-    reference = _generate(model, ids, mask, ROWS, "dynamic")
+    reference = generate_rows(model, ids, mask, ROWS, "dynamic")
     model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=256)
     meta.register_adapters(model)
@@ -288,50 +264,8 @@ def test_precompile_generate_warms_the_programs_generate_runs(device, inner, fam
                                          max_new_tokens=NEW_TOKENS, progress=False)
     assert warmed == meta.stats["compiles"] >= programs
     device_before = device_compiles(device, meta)
-    out = _generate(compiled, ids, mask, ROWS, "dynamic", device)
+    out = generate_rows(compiled, ids, mask, ROWS, "dynamic", device)
     assert torch.equal(out, reference)
     assert meta.stats["compiles"] == warmed, "generate compiled a program precompile_generate did not warm"
     # On XLA every program of the generate counts, HF's own per-step ops (one per sequence length) included.
     assert device_compiles(device, meta) == device_before, "the warmed generate compiled programs"
-
-
-def test_generate_builds_no_mask_on_the_host_and_matches_eager_peft(device, inner, monkeypatch):
-    """A static-cache generate's 4-d masks are made inside the compiled forward: HF's create_masks_for_generate
-    never runs (it ran once per step before), and the tokens of left-padded rows stay eager PEFT's."""
-    import transformers
-    from transformers.generation import utils as generation_utils
-
-    from xla_lora_pass.serving.generate_mask import applies_to
-
-    torch._dynamo.reset()
-    model, _ = tiny_peft_llama(seed=3)
-    if not applies_to(model.get_base_model()):
-        # Only transformers 5 may refuse a Llama: its generate passes no cache_position, and HF's mask is kept.
-        assert int(transformers.__version__.split(".")[0]) >= 5, transformers.__version__
-        pytest.skip("transformers 5: generate passes no cache_position, HF builds the mask")
-    ids, mask = _prompts()
-    reference = _generate(model, ids, mask, ROWS, "static")
-    model.to(device)
-    meta = xlp.LoRAMetadata(max_num_tokens=256)
-    meta.register_adapters(model)
-    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
-    calls = []
-    original = generation_utils.create_masks_for_generate  # the name HF's prepare_inputs_for_generation calls
-    monkeypatch.setattr(generation_utils, "create_masks_for_generate",
-                        lambda *a, **k: calls.append(1) or original(*a, **k))
-    out = _generate(compiled, ids, mask, ROWS, "static", device)
-    assert torch.equal(out, reference), f"{out}\n{reference}"
-    assert calls == [], f"HF built {len(calls)} masks on the host"
-    assert "create_masks_for_generate" not in model.get_base_model().__dict__  # removed after the generate
-
-
-def test_step_mask_is_hf_growing_mask_padded_with_zeros():
-    from xla_lora_pass.serving.generate_mask import step_mask
-
-    prompt = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    padded = torch.nn.functional.pad(prompt, (0, 6), value=1)
-    for length in range(4, 11):  # HF's mask after length - 4 generated tokens: ones appended
-        grown = torch.cat([prompt, torch.ones(2, length - 4, dtype=prompt.dtype)], dim=1)
-        want = torch.nn.functional.pad(grown, (0, 10 - length))
-        got = step_mask(padded, torch.arange(length - 1, length))
-        assert torch.equal(got, want) and got.dtype == want.dtype, length

@@ -11,13 +11,13 @@ A facade (the way ``torch.fx.GraphModule`` delegates to ``Graph`` and
 loading), param_index.py (a graph's parameters), token_mapping.py (the
 mapping and every per-step value built from it), device_stacks.py (device
 copies, SPMD placement), stats.py (counters) and pool.py (adapters into
-slots).  This class owns the lock (locking.py) and the order of operations;
+slots); mapping_facade.py and device_facade.py hold the mapping and the
+device methods it inherits.  This class owns the lock (locking.py) and the order of operations;
 the parts own their state.  A refused call changes nothing, and every call
 is all-or-nothing for other threads (docs/reliability.md).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import warnings
@@ -33,6 +33,7 @@ from ..adapters.unserved import Exclusions, refuse_unserved
 from .device_stacks import DeviceStacks, Site
 from .host_stacks import AdapterStacks
 from .locking import forward as _forward
+from .device_facade import DeviceFacade
 from .mapping_facade import MappingFacade
 from .locking import locked as _locked
 from .model_weights import ModelWeights
@@ -44,7 +45,7 @@ from .token_mapping import NO_LORA, TokenAdapter, TokenMapping
 log = logging.getLogger(__name__)
 
 
-class LoRAMetadata(MappingFacade):
+class LoRAMetadata(MappingFacade, DeviceFacade):
     """Shared multi-LoRA state: slots, stacked weights and token indices."""
 
     def __init__(self, max_num_tokens: int = 8192, *, max_slots: Optional[int] = None,
@@ -210,20 +211,11 @@ class LoRAMetadata(MappingFacade):
 
     sync_model_weights = _forward("_model_weights", ModelWeights.sync)
 
-    @contextlib.contextmanager
     def model_weights_synced_once(self):
-        """Within: the model's LoRA tensors are checked (and what changed re-stacked) once, at entry, not at
-        every compiled call.  ``generate`` runs its steps so: the check reads every watched tensor's version
-        and storage (0.64 ms a call for 896 tensors on XLA:CPU, a sixth of a batch-1 decode step), and
-        nothing writes the weights between two steps of one generate."""
-        self.sync_model_weights()
-        with self._lock:
-            self._model_weights.hold()
-        try:
-            yield self
-        finally:
-            with self._lock:
-                self._model_weights.release()
+        """A context: within, the model's LoRA tensors are checked once, at entry, not at every compiled call
+        (``generate``'s steps: the check costs 0.64 ms a call for 896 watched tensors on XLA:CPU)."""
+        return self._model_weights.synced_once(self._lock)
+
     follow_scalings = _forward("_model_weights", ModelWeights.follow_scalings)
 
     @_locked
@@ -240,59 +232,6 @@ class LoRAMetadata(MappingFacade):
         """One tensor of a saved module's variant, the live one (the model's own, on ``device``)."""
         tensor = self._adapters.saved[module].tensors(adapter)[name]
         return tensor if tensor.device == torch.device(device) else tensor.to(device)
-
-    # ------------------------------------------------- device placement
-    @_locked
-    def stacked_weights(self, site_name: Site, device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The site's stacked (A, B) on ``device``, each transferred once and cached.
-
-        ``site_name`` may be a tuple of sites (sites fused on one input): A is
-        then their stacks concatenated along the rank dim, B None.
-        """
-        fused = isinstance(site_name, tuple)
-        return self._devices.stacked_a(site_name, device), None if fused else self._devices.stacked_b(site_name, device)
-
-    @property
-    @_locked
-    def stacks_generation(self) -> int:
-        """Changes whenever the device stacks are made anew: until then ``stacked_*`` return the same tensors."""
-        return self._devices.generation
-
-    @contextlib.contextmanager
-    def sending_stacks(self, device):
-        """Around a graph's lookup of its stacks (``DeviceStacks.sending``): a swap then writes every stack on
-        ``device`` with one program, compiled when the lookup ends."""
-        with self._lock, self._devices.sending(device):
-            yield
-
-    stacked_a = _forward("_devices", DeviceStacks.stacked_a)
-    stacked_b = _forward("_devices", DeviceStacks.stacked_b)
-    stacked_bias = _forward("_devices", DeviceStacks.stacked_bias)
-    stacked_dora = _forward("_devices", DeviceStacks.stacked_dora)
-
-    @_locked
-    def shard(self, mesh, layout=None, *, axis: Optional[str] = None, both: bool = False):
-        """Shard the stacked adapter buffers over a torch_xla SPMD ``mesh`` like their base weights.
-
-        Per site ``column``, ``row`` or ``replicated`` (metadata/sharding.py's table),
-        from ``layout`` (``{leaf module name or site: layout}``, e.g.
-        ``sharding.MEGATRON_LLAMA``, or a callable) or else read off the base
-        weight's sharding spec; ``both=True`` also splits the stack the layout
-        leaves whole.  Index buffers stay replicated.  Returns the
-        ``sharding.AdapterSharding``; ``shard(None)`` turns it off.
-        docs/scale-out.md.
-        """
-        from .sharding import AdapterSharding
-
-        sharding = None if mesh is None else AdapterSharding(self, mesh, layout, axis, both)
-        self._devices.set_sharding(sharding)
-        return sharding
-
-    @property
-    @_locked
-    def sharding(self):
-        """The ``AdapterSharding`` set by ``shard(mesh)``, or None."""
-        return self._devices.sharding
 
     # ------------------------------------------------------------------ stats
     @property

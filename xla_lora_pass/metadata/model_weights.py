@@ -15,6 +15,8 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Callable, Dict, List, Tuple
 
@@ -83,12 +85,22 @@ class ModelWeights:
         self._count("weight_refreshes", n=pairs)
         return pairs
 
-    def hold(self) -> None:
-        """Until ``release``: ``sync`` reads nothing (the caller synced just before; nesting counts)."""
-        self._held += 1
+    @contextlib.contextmanager
+    def synced_once(self, lock):
+        """Within: ``sync`` reads nothing; it runs once at entry (nesting counts).  ``lock``: the metadata's.
 
-    def release(self) -> None:
-        self._held -= 1
+        A ``generate``'s steps run so: the check reads every watched tensor's
+        version and storage, and nothing writes the weights between two steps
+        of one generate (a write from inside one is served from the next call
+        on)."""
+        with lock:
+            self.sync()
+            self._held += 1
+        try:
+            yield
+        finally:
+            with lock:
+                self._held -= 1
 
     def follow_scalings(self, values: Dict[Tuple[str, str], float]) -> None:
         """``values``: each (site, adapter)'s scaling as this call's graph applies it: an input Dynamo made of
