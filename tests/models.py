@@ -125,21 +125,7 @@ def per_row_eager(model, ids, rows):
     with torch.no_grad():
         if _peft_mixes(model, rows):
             return model(ids, adapter_names=names)
-        active = model.active_adapter
-        outs = []
-        try:
-            for i, r in enumerate(rows):
-                if r is None:
-                    with model.disable_adapter():
-                        outs.append(model(ids[i:i + 1]))
-                else:
-                    model.set_adapter(r)
-                    outs.append(model(ids[i:i + 1]))
-        finally:
-            model.set_adapter(active)
-        if hasattr(outs[0], "logits"):  # a transformers ModelOutput
-            return types.SimpleNamespace(logits=torch.cat([o.logits for o in outs]))
-        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return per_row_around(model, model, ids, rows)
 
 
 def per_row_around(model, peft_model, ids, rows):
@@ -158,6 +144,8 @@ def per_row_around(model, peft_model, ids, rows):
                     outs.append(model(ids[i:i + 1]))
     finally:
         peft_model.set_adapter(active)
+    if hasattr(outs[0], "logits"):  # a transformers ModelOutput
+        return types.SimpleNamespace(logits=torch.cat([o.logits for o in outs]))
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs)
     return tuple(torch.cat(parts) for parts in zip(*outs))

@@ -11,6 +11,7 @@ from peft import LoraConfig, get_peft_model
 import xla_lora_pass as xlp
 from xla_lora_pass.demo_models import per_sequence_mapping, tiny_llama_config
 
+from .helpers import compile_lora
 from .models import per_row_eager
 from .xla_utils import device_compiles
 
@@ -42,10 +43,7 @@ def _ids(vocab=128, rows=len(ROWS)):
 
 def _serve(model, device, inner, rows_list, call, refs):
     """Compile, run each rows mapping, check against its reference; return (meta, compiles on the remaps)."""
-    model.to(device)
-    meta = xlp.LoRAMetadata(max_num_tokens=256)
-    meta.register_adapters(model)
-    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
+    meta, _, compiled = compile_lora(model, device, 256, inner=inner)
     remap_compiles = []
     for i, rows in enumerate(rows_list):
         meta.set_token_adapters(per_sequence_mapping(rows, SEQ))

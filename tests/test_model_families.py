@@ -17,9 +17,8 @@ import torch
 import transformers as T
 from peft import LoraConfig, get_peft_model
 
-import xla_lora_pass as xlp
 
-from .helpers import per_adapter_reference
+from .helpers import compile_lora, per_adapter_reference
 
 ROWS = ["a", None, "b"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -58,11 +57,7 @@ def test_mixed_batch_of_a_family_matches_peft(family, device, inner):
     lora_layers = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "a" in m.lora_A)
     batches = [torch.randint(3, 128, (len(ROWS), n), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
     references = [per_adapter_reference(model, ROWS, lambda m, ids=ids: m(input_ids=ids).logits) for ids in batches]
-    model.to(device)
-    meta = xlp.LoRAMetadata(max_num_tokens=64)
-    meta.register_adapters(model)
-    backend = xlp.make_backend(meta, inner=inner)
-    compiled = torch.compile(model, backend=backend)
+    meta, backend, compiled = compile_lora(model, device, 64, inner=inner)
     for ids, want in zip(batches, references):
         meta.set_request_adapters(ROWS)
         with torch.no_grad():

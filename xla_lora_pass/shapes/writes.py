@@ -41,7 +41,7 @@ _INDEXED = {"index_copy_": 2, "index_add_": 2, "index_fill_": 2, "index_reduce_"
 # Ops whose result shares its first argument's storage: a write into it writes that tensor.
 _VIEWS = {"getitem", "narrow", "view", "select", "slice", "transpose", "permute", "unsqueeze", "squeeze", "expand",
           "as_strided", "diagonal", "t", "unflatten", "view_as", "unfold", "movedim", "swapaxes", "split", "chunk",
-          "unbind", "T", "mT"}
+          "unbind"}
 
 
 def mark_static_inputs(gm: fx.GraphModule, example_inputs) -> None:
