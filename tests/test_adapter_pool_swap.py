@@ -110,3 +110,71 @@ def test_staged_swaps_on_the_cpu_equal_the_host_stacks(saved):
         reference.load_adapter(str(root / name), adapter_name=name)
         assert (out - eager_reference(reference, ids, [name, "ad0"])).abs().max().item() < 1e-4, name
         _copies_equal_host(meta)
+
+
+@pytest.fixture(scope="module")
+def saved_batch(tmp_path_factory):
+    """ad0 (rank 8) in the model, and saved: r1..r6 of rank 8 (the sites' full rank), s1 of rank 2."""
+    served, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=(("ad0", 8, 16),))
+    root = tmp_path_factory.mktemp("swap_batch")
+    gen = torch.Generator().manual_seed(2)
+    for name, rank in [(f"r{i}", 8) for i in range(1, 7)] + [("s1", 2)]:
+        template, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=(("default", rank, 2 * rank),))
+        with torch.no_grad():
+            for n, p in template.named_parameters():
+                if ".lora_A." in n or ".lora_B." in n:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        template.save_pretrained(str(root / name))
+    return served, root
+
+
+def test_a_mappings_swaps_of_one_shape_are_one_program(saved_batch, device, inner):
+    """The adapters one mapping brings in are written together: those of the sites' full rank by one program on
+    XLA (4 into free slots; 2 evicting others), prefetched or not; an adapter of a lower rank by a program of its
+    own.  Exact against PEFT at every step, every copy equal to the host stacks, and nothing compiled after the
+    first call (the programs for several slots are compiled when the first adapter is added beyond the slots)."""
+    import copy
+
+    torch._dynamo.reset()
+    served, root = saved_batch
+    reference = copy.deepcopy(served)
+    for name in ["s1"] + [f"r{i}" for i in range(1, 7)]:
+        reference.load_adapter(str(root / name), adapter_name=name)
+    model = copy.deepcopy(served).to(device)
+    meta = xlp.LoRAMetadata(max_num_tokens=32, max_slots=5)
+    meta.register_adapters(model)
+    for name in ["s1"] + [f"r{i}" for i in range(1, 7)]:
+        meta.add_adapter(name, root / name)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
+    ids = torch.randint(0, 128, (4, 6), generator=torch.Generator().manual_seed(0))
+    meta.set_request_adapters(["ad0"] * 4)
+    with torch.no_grad():
+        compiled(input_ids=ids.to(device)).logits.cpu()
+    on_xla = device.type == "xla"
+    if on_xla:
+        import torch_xla.core.xla_model as xm
+
+        from .xla_utils import xla_compiles
+        compiles = xla_compiles()
+    # (mapping, prefetched, loads, programs): 4 misses into free slots; 2 misses evicting ad0 and r1 beside 2
+    # resident; a rank-8 and a rank-2 miss beside a resident adapter.
+    for rows, prefetched, loaded, programs in [(["r1", "r2", "r3", "r4"], False, 4, 1),
+                                               (["r5", "r6", "r3", "r4"], True, 2, 1),
+                                               (["r1", "s1", "r5", "r6"], False, 2, 2)]:
+        if prefetched:
+            meta.prefetch(rows, wait=True)
+        loads = meta.stats["loads"]
+        if on_xla:
+            xm.wait_device_ops()
+            executions = _metric_count("ExecuteTime")
+        meta.set_request_adapters(rows)
+        assert meta.stats["loads"] - loads == loaded, rows
+        if on_xla:
+            xm.wait_device_ops()
+            assert _metric_count("ExecuteTime") - executions == programs, rows
+        with torch.no_grad():
+            out = compiled(input_ids=ids.to(device)).logits.cpu()
+        assert (out - eager_reference(reference, ids, rows)).abs().max().item() < 1e-4, rows
+        _copies_equal_host(meta)
+    if on_xla:
+        assert xla_compiles() == compiles

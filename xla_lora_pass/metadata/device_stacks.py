@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from typing import Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -54,6 +54,7 @@ class DeviceStacks:
         # adapter name -> (the LoadedAdapter, {device: Staged}): swaps prepared on the prefetch thread
         self._staged: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
         self._staging = threading.Lock()
+        self._batched = False  # batch_swaps(): swaps of several slots at once are compiled too
 
     def forget(self) -> None:
         """Drop every device copy (the host stacks or the placement changed); the next call transfers anew."""
@@ -87,6 +88,19 @@ class DeviceStacks:
                                               lambda slot: [self._host_row(site, role, slot) for site, role in plains])
         if runtimes.for_device(device).compiles_writes:
             self._count("bytes_to_device", n=swap.warm())
+            if self._batched:
+                self._count("bytes_to_device", n=swap.warm(batched=True))
+
+    def batch_swaps(self) -> None:
+        """An adapter pool is in use (adapters known beyond the slots): a mapping may swap several at once, so
+        the programs writing several full-rank slots at once (``SlotSwap.write_many``) are compiled now and
+        with every later graph's stacks, never at a swap.  Without a pool they are not compiled at all."""
+        if self._batched:
+            return
+        self._batched = True
+        for device, swap in self._swaps.items():
+            if runtimes.for_device(device).compiles_writes:
+                self._count("bytes_to_device", n=swap.warm(batched=True))
 
     def set_sharding(self, sharding) -> None:
         self.sharding = sharding
@@ -103,8 +117,14 @@ class DeviceStacks:
         lock: it reads the stacks' shapes and the swaps, which only a re-registration replaces, and a swap
         ignores what was staged for another): its rows as ``AdapterStacks.write`` will make them, cut and
         packed per device (``SlotSwap.stage``)."""
+        swaps = list(self._swaps.items())
+        with self._staging:
+            entry = self._staged.get(loaded.name)
+            if entry is not None and entry[0] is loaded and all(
+                    entry[1].get(device) is not None and entry[1][device].swap is swap for device, swap in swaps):
+                return  # still prepared for the swaps there are
         staged = {device: swap.stage([self._loaded_row(loaded, site, role) for site, role in swap.plains])
-                  for device, swap in list(self._swaps.items())}
+                  for device, swap in swaps}
         with self._staging:
             self._staged[loaded.name] = (loaded, staged)
             while len(self._staged) > STAGED:
@@ -134,26 +154,37 @@ class DeviceStacks:
 
     def write_slot(self, slot: int, sites: Optional[Set[str]] = None,
                    loaded: Optional[LoadedAdapter] = None) -> None:
-        """Rewrite row ``slot`` of every device copy (of ``sites`` only, if given; the copies a graph sent are
-        all written, those of other sites with the rows they hold) from the host stacks, in place.
+        """``write_slots`` of one slot."""
+        self.write_slots([slot], sites, [loaded])
+
+    def write_slots(self, slots: List[int], sites: Optional[Set[str]] = None,
+                    loaded: Sequence[Optional[LoadedAdapter]] = ()) -> None:
+        """Rewrite row ``slot`` of every device copy for each of ``slots`` (distinct) from the host stacks, in
+        place (of ``sites`` only, if given; the copies a graph sent are all written, those of other sites
+        with the rows they hold, by one program for several slots: ``SlotSwap.write_many``).
 
         Each stack's rows in use cross once, cut to their bucket (a transposed
         copy takes the rows sent for the plain one); the device adds the zeros.
-        ``loaded``: the adapter just written to the host stacks, whose swap
-        ``stage`` may have prepared.  A sharded copy is dropped instead and
-        made anew, placed, at its next use: its placement after an in-place
-        write is not something we checked.
+        ``loaded``: each slot's adapter just written to the host stacks (or
+        None), whose swap ``stage`` may have prepared.  A sharded copy is
+        dropped instead and made anew, placed, at its next use: its placement
+        after an in-place write is not something we checked.
         """
         if self.sharding is not None:
             self.forget()
             return
-        total = 0
-        # Stacks a graph sent: all of them in one program (those of sites not named rewritten as they are).
         with self._staging:
-            entry = self._staged.pop(loaded.name, None) if loaded is not None else None
-        staged = entry[1] if entry is not None and entry[0] is loaded else {}
-        for device, swap in self._swaps.items():
-            total += swap.write(slot, staged=staged.get(device))
+            entries = [self._staged.pop(a.name, None) if a is not None else None for a in loaded]
+        staged = [e[1] if e is not None and e[0] is a else {} for e, a in zip(entries, loaded)]
+        staged += [{}] * (len(slots) - len(staged))
+        # Stacks a graph sent: all of them at once (those of sites not named rewritten as they are).
+        total = sum(swap.write_many(slots, staged=[s.get(device) for s in staged])
+                    for device, swap in self._swaps.items())
+        self._count("bytes_to_device", n=total + sum(self._write_unswapped(slot, sites) for slot in slots))
+
+    def _write_unswapped(self, slot: int, sites: Optional[Set[str]]) -> int:
+        """Row ``slot`` of the copies no graph sent (made outside a lookup), one write each; the bytes sent."""
+        total = 0
         swapped = {t.key for swap in self._swaps.values() for t in swap.targets}
         sent: Dict[Tuple[Site, str, str], tuple] = {}
         index: Dict[str, torch.Tensor] = {}  # the slot number, sent once per device
@@ -175,7 +206,7 @@ class DeviceStacks:
             if device not in index:
                 index[device] = torch.tensor([slot], device=copy.device)
             _write_row(copy, index[device], row.full(piece, rows, copy.device), transposed=role.endswith("_T"))
-        self._count("bytes_to_device", n=total)
+        return total
 
     def _host_row(self, site: Site, role: str, slot: int) -> SlotRow:
         """One slot's host row of a (plain) stack, as parts along its rank dim; a fused group's A rows one

@@ -12,9 +12,10 @@ copies, and those the current mapping uses, since its slot numbers are already
 in the step's values (except for the move that sets a new mapping, which
 replaces them).  A move that finds no room is refused before anything changes.
 
-A swap writes one slot of the host stacks and of each device copy in place
-(``DeviceStacks.write_slot``: the stacks a graph reads in one transfer and
-one program, slot_swap.py): its cost is the adapter's own rows, whatever the
+A swap writes one slot of the host stacks and of each device copy in place;
+the swaps one mapping needs go together (``DeviceStacks.write_slots``: the
+stacks a graph reads, for all of them, in one transfer and one program,
+slot_swap.py): its cost is the adapter's own rows, whatever the
 number of slots, and it never recompiles a graph (stacks are graph inputs).
 ``AdapterSource.prefetch`` reads the next mapping's directories on a
 background thread (not those of adapters already in a slot) and stages each
@@ -140,8 +141,10 @@ class AdapterPool:
             self._write(loaded, self._stacks.slots.index(name))
         elif isinstance(state, (str, os.PathLike)):
             self.source.add_dir(name, state, scaling=scaling, config=config)
+            self._devices.batch_swaps()
         else:
             self.source.keep(self._stacks.validate(name, state, scaling=scaling, config=config))
+            self._devices.batch_swaps()
 
     def remember(self, name: str, state, loaded: LoadedAdapter, *, scaling: Optional[float] = None,
                  config=None) -> None:
@@ -152,9 +155,10 @@ class AdapterPool:
             self.source.keep(loaded)
 
     def prefetch(self, names: Iterable[str], wait: bool = False) -> None:
-        """Read the directories of ``names`` on a background thread, before a mapping needs them
-        (``wait``: until they are read).  Adapters already in a slot are skipped: a mapping reads nothing
-        for them.  A read that fails raises at the mapping that needs the adapter."""
+        """Read the directories of ``names`` on a background thread, before a mapping needs them, and stage
+        each one's swap there, also for those read before (``wait``: until done).  Adapters already in a slot
+        are skipped: a mapping reads nothing for them.  A read that fails raises at the mapping that needs
+        the adapter."""
         self.source.prefetch([n for n in names if n not in self._stacks.slots], wait)
 
     def sites_changed(self) -> None:
@@ -204,8 +208,7 @@ class AdapterPool:
         plan = plan_slots(slots, known, pinned=self.held(new_mapping=new_mapping), last_used=self._last_used,
                           caller=caller)
         loaded = [(self.source.get(name, f"{caller}: adapter {name!r}"), slot) for name, slot in plan.loads]
-        for adapter, slot in loaded:
-            self._write(adapter, slot)
+        self._write_all(loaded)
         self._stats.count("slot_hits", n=plan.hits)
         self.touch(known)
 
@@ -262,13 +265,19 @@ class AdapterPool:
         self._devices.write_slot(slot)
         return slot
     def _write(self, loaded: LoadedAdapter, slot: int) -> None:
-        previous = self._stacks.slots[slot]
-        if previous is not None and previous != loaded.name:
-            self._keep_if_unknown(slot)
-            self._stats.count("evictions")
-        self._stacks.write(loaded, slot)
-        self._stats.count("loads")
-        self._devices.write_slot(slot, loaded=loaded)
+        self._write_all([(loaded, slot)])
+
+    def _write_all(self, loads: Sequence[Tuple[LoadedAdapter, int]]) -> None:
+        """Each adapter into its slot (distinct): the host stacks one by one, the device in one swap."""
+        for loaded, slot in loads:
+            previous = self._stacks.slots[slot]
+            if previous is not None and previous != loaded.name:
+                self._keep_if_unknown(slot)
+                self._stats.count("evictions")
+            self._stacks.write(loaded, slot)
+            self._stats.count("loads")
+        if loads:
+            self._devices.write_slots([slot for _, slot in loads], loaded=[loaded for loaded, _ in loads])
 
     def _keep_if_unknown(self, slot: int) -> None:
         """An adapter leaving its slot that the source cannot give back (one registered from the model)
@@ -276,3 +285,4 @@ class AdapterPool:
         name = self._stacks.slots[slot]
         if name not in self.source:
             self.source.keep(self._stacks.snapshot(slot))
+            self._devices.batch_swaps()  # it may come back with others in one mapping

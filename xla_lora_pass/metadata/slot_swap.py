@@ -28,6 +28,13 @@ import torch
 from .. import runtimes
 from .slot_rows import SlotRow, bucket, buckets
 
+# The numbers of slots one program writes: a mapping's swaps of the stacks' full rank go in as few programs
+# of these sizes as add up to their number (5: 4 + 1).  Exact sizes, not padded ones: a padded batch would
+# send some adapter's rows twice, and a swap sends its adapter's own bytes.  Each size is a program per set of
+# stacks, compiled ahead (``warm``), about 0.45 s each on XLA:CPU here, so there are few of them, and only for
+# the full rank: an adapter of a lower rank (another row bucket) is written by a program of its own.
+BATCH_SIZES = (1, 2, 4, 8)
+
 
 class Target(NamedTuple):
     """One device stack a swap writes: its key, the tensor, the plain row it is made from, and its layout."""
@@ -58,7 +65,7 @@ class SlotSwap:
         self.targets = tuple(targets)
         self.plains = tuple(plains)  # what each plain row is (the caller's keys), in Target.row order
         self._rows = rows  # slot -> the plain host rows, in Target.row order
-        self._slot_index: Dict[int, torch.Tensor] = {}  # slot -> its number as a device tensor
+        self._batched: Tuple[Tuple[int, bool], ...] = ()  # the shapes written several slots at once (warm)
 
     def shape_of(self, rows: Sequence[SlotRow]) -> Tuple[int, bool]:
         """The (bucket, whole rows sent) a swap of these rows runs: the key of its program."""
@@ -91,52 +98,98 @@ class SlotSwap:
               staged: Optional["Staged"] = None) -> int:
         """Write ``slot`` of every target from the host rows (cut to ``shape``, default their own), or from
         what ``stage`` made of the same rows; return the bytes sent."""
-        rows = self._rows(slot) if rows is None else rows
-        if staged is None or staged.swap is not self:
-            staged = self._staged(rows, self.shape_of(rows) if shape is None else shape)
+        return self.write_many([slot], shape, None if rows is None else [rows], [staged])
+
+    def write_many(self, slots: Sequence[int], shape: Optional[Tuple[int, bool]] = None, rows=None,
+                   staged: Sequence[Optional["Staged"]] = ()) -> int:
+        """Write every slot of ``slots`` (distinct) of every target, one transfer and one program per batch;
+        return the bytes sent.  Slots whose rows have one shape (their own, or ``shape`` for all) go
+        together, in batches of ``BATCH_SIZES`` if ``warm`` compiled those for the shape, else one by one.
+        ``rows`` / ``staged``: per slot, as for ``write``."""
+        rows = [self._rows(s) for s in slots] if rows is None else list(rows)
+        staged = [s if s is not None and s.swap is self else None for s in staged]
+        staged += [None] * (len(slots) - len(staged))
+        groups: Dict[Tuple[int, bool], List[int]] = {}  # shape -> positions in slots
+        for i, (s, r) in enumerate(zip(staged, rows)):
+            groups.setdefault(shape or (s.shape if s is not None else self.shape_of(r)), []).append(i)
+        total = 0
+        for group_shape, at in groups.items():
+            for size in batches(len(at), BATCH_SIZES if group_shape in self._batched else (1,)):
+                part, at = at[:size], at[size:]
+                total += self._write_batch([slots[i] for i in part], group_shape, [rows[i] for i in part],
+                                           [staged[i] for i in part])
+        return total
+
+    def _write_batch(self, slots: Sequence[int], shape: Tuple[int, bool], rows, staged) -> int:
+        """One program: ``slots`` written from their rows cut to ``shape`` (what was staged with it reused)."""
+        staged = [s if s is not None and s.shape == shape else self._staged(r, shape) for s, r in zip(staged, rows)]
+        batch, first = len(slots), staged[0]
         runtime = runtimes.for_device(self.device)
-        new_index = slot not in self._slot_index
-        outgoing = list(staged.buffers.values()) + ([torch.tensor([slot])] if new_index else [])
-        arrived = runtime.send(outgoing, self.device) if outgoing else []
-        if new_index:
-            self._slot_index[slot] = arrived.pop()
-        on_device = dict(zip(staged.buffers, arrived))
-        full, at = [], iter(staged.offsets)
-        for row, size, piece in zip(rows, staged.sizes, staged.pieces):
+        dtypes = list(first.buffers)
+        outgoing = [torch.cat([s.buffers[d] for s in staged]) if batch > 1 else first.buffers[d] for d in dtypes]
+        # The slot numbers are a device input of the program, not constants of it.
+        arrived = runtime.send(outgoing + [torch.tensor(list(slots))], self.device)
+        index = arrived.pop()
+        # Each slot's buffer has the same layout (one shape): [batch, its length] per dtype.
+        on_device = {d: t.view(batch, -1) for d, t in zip(dtypes, arrived)}
+        full, at = [], iter(first.offsets)
+        for row, size, piece in zip(rows[0], first.sizes, first.pieces):
             if piece is not None:
                 dtype, piece_shape = piece
-                piece = on_device[dtype].narrow(0, next(at), piece_shape.numel()).view(piece_shape)
-            full.append(_padded(row, piece, size, self.device))
-        index = self._slot_index[slot]
+                piece = on_device[dtype].narrow(1, next(at), piece_shape.numel()).view(batch, *piece_shape)
+            full.append(_padded(row, piece, size, self.device, batch))
         for target in self.targets:
             value = full[target.row]
             # In place on XLA too (the stacks are aliased to the program's outputs): 22 stacks of [N, 16, 512]
             # written in 0.56 ms with N = 8 or 32 (index_put_: 0.79 ms).
-            target.copy.index_copy_(0, index, (value.transpose(0, 1) if target.transposed else value).unsqueeze(0))
+            target.copy.index_copy_(0, index, value.transpose(1, 2) if target.transposed else value)
         runtime.after_writes([t.copy for t in self.targets])
-        return staged.bytes
+        return sum(s.bytes for s in staged)
 
-    def warm(self) -> int:
-        """Compile every program a swap of these stacks may run, on slot 0, its own shape last (it ends as it
-        was); return the bytes sent."""
+    def warm(self, batched: bool = False) -> int:
+        """Compile every program a swap of these stacks may run: one slot of each shape, or (``batched``)
+        batches of several slots of the full-rank shapes, up to the slot count.  Slots 0.. are written
+        with their own rows cut to each shape, then once more uncut (they end as they were); return the
+        bytes sent."""
         rows = self._rows(0)
-        own = self.shape_of(rows)
-        return sum(self.write(0, shape, rows) for shape in [s for s in self.shapes(rows) if s != own] + [own])
+        sizes = [n for n in BATCH_SIZES if n <= self.targets[0].copy.shape[0]]
+        if batched:
+            widest = max(b for b, _ in self.shapes(rows))
+            runs = [(shape, n) for shape in self.shapes(rows) if shape[0] == widest for n in sizes[1:]]
+        else:
+            runs = [(shape, 1) for shape in self.shapes(rows)]
+        if batched:
+            self._batched = tuple(dict.fromkeys(shape for shape, _ in runs))
+        total = sum(self.write_many(list(range(n)), shape) for shape, n in runs)
+        return total + (self.write_many(list(range(max(n for _, n in runs)))) if runs else 0)
 
 
-def _padded(row: SlotRow, piece: Optional[torch.Tensor], size: int, device) -> torch.Tensor:
-    """``row.full`` with one op per part (a pad): what a swap traces once per stack, so its op count is its
-    host time on XLA."""
-    if piece is None or row.dim is None:
-        return row.full(piece, size, device)
-    parts = [piece] if len(row.parts) == 1 else piece.split([min(size, p.shape[row.dim]) for p in row.parts], row.dim)
+def batches(n: int, sizes: Sequence[int] = BATCH_SIZES) -> List[int]:
+    """The program sizes ``n`` swaps are written in: the largest of ``sizes`` that fits, again."""
+    out = []
+    while n > 0:
+        out.append(max(b for b in sizes if b <= n))
+        n -= out[-1]
+    return out
+
+
+def _padded(row: SlotRow, piece: Optional[torch.Tensor], size: int, device, batch: int) -> torch.Tensor:
+    """``row.full`` for ``batch`` slots at once (``piece``: ``[batch, *sent]``, None when nothing is sent), with
+    one op per part (a pad): what a swap traces once per stack, so its op count is its host time on XLA."""
+    if piece is None:
+        zeros = row.full(None, size, device)
+        return zeros.expand(batch, *zeros.shape)
+    if row.dim is None:
+        return piece
+    dim = row.dim + 1
+    parts = [piece] if len(row.parts) == 1 else piece.split([min(size, p.shape[row.dim]) for p in row.parts], dim)
     padded = []
     for got, part in zip(parts, row.parts):
-        missing = part.shape[row.dim] - got.shape[row.dim]
-        # F.pad's pairs run from the last dim: (0, missing) pads dim 1, (0, 0, 0, missing) dim 0
-        padded.append(torch.nn.functional.pad(got, (0, missing) if row.dim == 1 else (0, 0, 0, missing))
+        missing = part.shape[row.dim] - got.shape[dim]
+        # F.pad's pairs run from the last dim: (0, missing) pads the last dim, (0, 0, 0, missing) the one before
+        padded.append(torch.nn.functional.pad(got, (0, missing) if dim == 2 else (0, 0, 0, missing))
                       if missing else got)
-    return padded[0] if len(padded) == 1 else torch.cat(padded, row.dim)
+    return padded[0] if len(padded) == 1 else torch.cat(padded, dim)
 
 
 def _pack(pieces: Iterable[torch.Tensor]) -> Tuple[Dict[torch.dtype, torch.Tensor], List[int]]:

@@ -101,8 +101,9 @@ class AdapterSource:
         return self._read_now(name, entry, where)
 
     def prefetch(self, names: Iterable[str], wait: bool = False) -> None:
-        """Start reading the directories of ``names`` on a background thread (others are skipped);
-        ``wait``: return once they are read (a read that failed raises at ``get``)."""
+        """Start reading the directories of ``names`` on a background thread, and handing those read already
+        (host copies, cached reads) to ``on_prefetched`` again; unknown names are skipped.  ``wait``: return
+        once that is done (a read that failed raises at ``get``)."""
         names = list(dict.fromkeys(names))
         self._start(names)
         if wait:
@@ -114,12 +115,27 @@ class AdapterSource:
         with self._lock:
             todo = [n for n in names
                     if n in self._dirs and n not in self._read and n not in self._pending]
-            if not todo:
+            # Read already (a host copy, or cached): only the swap's host side to prepare again, since the
+            # last swap of it used what was prepared (``on_prefetched`` skips what is still prepared).
+            ready = [held for n in names if n not in self._pending
+                     for held in [self._kept.get(n, self._read.get(n))] if held is not None]
+            if not todo and not ready:
                 return
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xla-lora-prefetch")
             for name in todo:
                 self._pending[name] = self._executor.submit(self._prefetch_one, name, self._dirs[name])
+            for loaded in ready:
+                self._pending[loaded.name] = self._executor.submit(self._prepare, loaded)
+
+    def _prepare(self, loaded: LoadedAdapter) -> None:
+        try:
+            self._on_prefetched(loaded)
+        except Exception:  # noqa: BLE001  the swap prepares it again on the serving thread
+            pass
+        finally:
+            with self._lock:
+                self._pending.pop(loaded.name, None)
 
     def _prefetch_one(self, name: str, entry: tuple) -> None:
         try:
