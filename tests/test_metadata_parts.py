@@ -7,6 +7,8 @@ import torch
 import xla_lora_pass as xlp
 from xla_lora_pass.kernels import table as kernels
 from xla_lora_pass.demo_models import tiny_peft_llama
+from xla_lora_pass.adapters.records import AdapterWeights
+from xla_lora_pass.metadata.slot_weights import host_slot_weights
 from xla_lora_pass.metadata.stats import Stats
 from xla_lora_pass.metadata.token_mapping import StepCache
 
@@ -147,6 +149,24 @@ def test_the_mapping_check_is_cached_per_mapping_and_still_refuses(meta):
     meta.check_mapping_fits((3, 1))
     with pytest.raises(UnsupportedMappingError, match="3 rows but this call has a batch of 2"):
         meta.check_mapping_fits((2, 4))  # the old mapping's pass went with it
+
+
+def test_slot_weights_refuse_every_non_finite_value_and_only_those():
+    """The check reduces each tensor to its float64 sum: NaN, inf and inf - inf are refused with their count; a
+    finite float64 tensor whose sum overflows is not."""
+    a, b = torch.ones(2, 4, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64)
+    huge = torch.full((2, 4), 1e308, dtype=torch.float64)  # its sum is inf, every value finite
+    got_a, got_b = host_slot_weights("w", AdapterWeights(huge, b, 2.0), torch.float64)
+    assert torch.equal(got_a, huge) and torch.equal(got_b, 2 * b)
+    for bad_a, bad_b, what, count in [(a.index_fill(1, torch.tensor([0, 3]), float("inf")), b, "lora_A", 4),
+                                      (torch.tensor([[float("inf"), -float("inf"), 0, 0]] * 2).double(), b,
+                                       "lora_A", 4),
+                                      (a, b.index_fill(0, torch.tensor([1]), float("nan")), r"lora_B \* scaling", 2)]:
+        with pytest.raises(ValueError, match=rf"w: {what}.* has {count} NaN or inf value"):
+            host_slot_weights("w", AdapterWeights(bad_a, bad_b, 1.0), torch.float64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # the stack dtype: checked after the cast
+        with pytest.raises(ValueError, match="lora_A has 8 NaN or inf"):
+            host_slot_weights("w", AdapterWeights(huge, b, 1.0), dtype)
 
 
 def test_stats_count_adds_to_counters_and_refuses_unknown_ones():
