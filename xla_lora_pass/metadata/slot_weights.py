@@ -107,4 +107,5 @@ def host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tupl
     return lora_a, scaled_b
 
 
-__all__ = ["all_finite", "check_shapes", "check_tensors", "host_slot_weights", "scaling_for", "stack_bias", "write_slot_rows"]
+__all__ = ["all_finite", "check_shapes", "check_tensors", "host_slot_weights", "scaling_for", "stack_bias",
+           "write_slot_rows"]
