@@ -13,11 +13,12 @@ The program depends on every piece's shape, so the rows sent are cut to
 one bucket for the whole swap (``slot_rows.bucket`` of the most rows any
 stack uses, each stack taking at most its own width) and whole rows (LoRA
 bias, DoRA) are sent when any of them is nonzero: for a set of stacks,
-``len(buckets(R)) * 2`` programs at most, all compiled by ``warm`` (an
-adapter of rank r at every site still sends its own rows exactly; one of
-mixed ranks sends its largest rank's bucket at every site).  The slot
-number is a device tensor of its own per slot, sent once, so it is an input
-of the program rather than a constant of it.
+``len(buckets(R)) * 2`` one-slot programs at most, and once a pool is in use
+up to 14 more that write 2 to 8 full-rank slots at once (``BATCH_SIZES``),
+all compiled by ``warm`` (an adapter of rank r at every site still sends its
+own rows exactly; one of mixed ranks sends its largest rank's bucket at
+every site).  The slot numbers travel with the rows, in the same transfer
+call, so they are an input of the program rather than constants of it.
 """
 from __future__ import annotations
 
