@@ -34,7 +34,7 @@ from .slot_rows import SlotRow, bucket, buckets
 # would send some adapter's rows twice, and a swap sends its adapter's own bytes.  Each size is a program per
 # set of stacks, compiled ahead (``warm``: about 0.45 s each on XLA:CPU here, 7 of them once a pool is in use),
 # and only for the full rank: an adapter of a lower rank (another row bucket) is written by a program of its
-# own.  Sizes 1, 2, 4, 8 alone (5 swaps: 4 + 1) compiled 4 fewer programs and cost 12-15% more per prefetched
+# own.  Sizes 1, 2, 4, 8 alone (5 swaps: 4 + 1) compiled 4 fewer programs and cost 13-17% more per prefetched
 # swap in bench/adapter_pool.py (1.87 / 2.02 ms against 1.65 / 1.72 at 8 / 32 slots).
 BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
 
