@@ -5,15 +5,19 @@ mask (one column per token so far, one more each step) into the 4-d mask
 before every forward, eagerly (``create_masks_for_generate``): on XLA a host
 trace of many small ops per step, a quarter of a batch-1 step, and one more
 program per sequence length.  Here, for a decoder-only model whose forward
-takes ``cache_position`` (transformers 4.x; 5.x's generate passes none and
-keeps HF's own mask):
+takes ``cache_position`` (transformers 4.x), or, where generate passes none
+(transformers 5.x), takes the cache and gets a static cache with no sliding
+or linear-attention layer:
 
 - the model's ``create_masks_for_generate`` (HF looks it up on the model
   first) returns, on a generate's first step, its 2-d mask padded with ones
   to the cache's length, and that same tensor on every later step: no op
   per step;
 - the compiled forward sets each step's mask from it inside the program:
-  a column is kept up to the step's last cache position, as HF's mask
+  a column is kept up to the step's last cache position (the last of
+  ``cache_position``, or the cache's length before the step plus its
+  tokens, less one: a device tensor in transformers 5's static cache, so
+  an input of the program, not a constant), as HF's mask
   (the prompt's own columns, ones for every generated token) padded with
   zeros to the cache length (what HF's ``prepare_padding_mask`` does)
   would keep it.  The forward then builds its 4-d mask from that 2-d mask as
@@ -31,22 +35,33 @@ GENERATE_MASK = "xla_lora_generate_mask"  # the forward's keyword for the padded
 
 
 def forward_setting_step_mask(forward):
-    """``forward`` taking ``xla_lora_generate_mask=``: the padded mask, made this step's mask from
-    ``cache_position`` inside the traced program."""
+    """``forward`` taking ``xla_lora_generate_mask=``: the padded mask, made this step's mask from the step's
+    last cache position inside the traced program."""
 
     def forward_with_generate_mask(*args, **kwargs):
         padded = kwargs.pop(GENERATE_MASK, None)
         if padded is not None:
-            kwargs["attention_mask"] = step_mask(padded, kwargs["cache_position"])
+            kwargs["attention_mask"] = step_mask(padded, last_position(kwargs))
         return forward(*args, **kwargs)
 
     return forward_with_generate_mask
 
 
-def step_mask(padded: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-    """HF's 2-d mask of the step whose last position is ``cache_position[-1]``, zero-padded to the cache."""
+def last_position(kwargs: dict):
+    """The cache position of the step's last token, from the forward's keywords: the last of
+    ``cache_position`` (transformers 4), else the cache's length before the step plus the step's tokens, less
+    one (transformers 5 passes no ``cache_position``; read before the forward writes the cache)."""
+    if kwargs.get("cache_position") is not None:
+        return kwargs["cache_position"][-1]
+    cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs["past_key_values"]
+    tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+    return cache.get_seq_length() + tokens.shape[1] - 1
+
+
+def step_mask(padded: torch.Tensor, last) -> torch.Tensor:
+    """HF's 2-d mask of the step whose last cache position is ``last``, zero-padded to the cache."""
     columns = torch.arange(padded.shape[-1], device=padded.device)
-    return (padded.bool() & (columns <= cache_position[-1])).to(padded.dtype)
+    return (padded.bool() & (columns <= last)).to(padded.dtype)
 
 
 class GenerateMask:
@@ -57,12 +72,14 @@ class GenerateMask:
         self.padded = None
 
     def create_masks_for_generate(self, **kwargs):
-        """HF's hook (called with keywords by transformers 4.57): the padded mask; HF's own where it does
-        not apply (no 2-d mask, no static length, token types that can unmask later columns)."""
-        mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
-        length = cache.get_max_cache_shape() if hasattr(cache, "get_max_cache_shape") else None
-        if (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or kwargs.get("cache_position") is None
-                or kwargs.get("token_type_ids") is not None or not isinstance(length, int)
+        """HF's hook (called with keywords by transformers 4.57 and 5.x): the padded mask; HF's own where it
+        does not apply (no 2-d mask, no static length, token types that can unmask later columns, and
+        without ``cache_position`` a cache that does not count its tokens as one full-attention layer does)."""
+        mask = kwargs.get("attention_mask")
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        length = _static_length(cache) if kwargs.get("cache_position") is not None else _counted_length(cache)
+        if (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(length, int)
+                or any(kwargs.get(k) is not None for k in ("token_type_ids", "mm_token_type_ids"))
                 or mask.shape[-1] > length):
             return self.default_create_masks(**kwargs)
         if self.padded is None or self.padded.shape[0] != mask.shape[0]:
@@ -82,10 +99,33 @@ class GenerateMask:
         return forward
 
 
+def _static_length(cache):
+    """The cache's static length (transformers 4's static caches), None for any other cache."""
+    length = cache.get_max_cache_shape() if hasattr(cache, "get_max_cache_shape") else None
+    return length if isinstance(length, int) and length > 0 else None
+
+
+def _counted_length(cache):
+    """Transformers 5: the static length of a cache whose ``get_seq_length`` is the tokens before the step in
+    every layer (static full-attention layers only: no sliding window, no linear attention), None for any
+    other cache."""
+    from transformers import cache_utils
+
+    linear = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+    layers = getattr(cache, "layers", None)
+    if not isinstance(cache, cache_utils.Cache) or not layers or not all(
+            isinstance(layer, cache_utils.StaticLayer) and not getattr(layer, "is_sliding", True)
+            and not isinstance(layer, linear) for layer in layers):
+        return None
+    length = cache.get_max_length() if hasattr(cache, "get_max_length") else None
+    return length if isinstance(length, int) and length > 0 else None
+
+
 def applies_to(transformer: torch.nn.Module) -> bool:
     """Whether a generate of this model can get its masks in the program: a decoder-only model using HF's
     general ``create_masks_for_generate`` (none of its class's or set on it), whose forward takes
-    ``cache_position``."""
+    ``cache_position`` or, on transformers 5 (whose generate passes no ``cache_position``), the cache."""
+    import transformers
     from transformers import masking_utils
 
     config = getattr(transformer, "config", None)
@@ -94,8 +134,11 @@ def applies_to(transformer: torch.nn.Module) -> bool:
     if hasattr(transformer, "create_masks_for_generate") or not hasattr(masking_utils,
                                                                               "create_masks_for_generate"):
         return False
-    forward = type(transformer).forward
-    return "cache_position" in inspect.signature(forward).parameters
+    parameters = inspect.signature(type(transformer).forward).parameters
+    if "cache_position" in parameters:
+        return True
+    return int(transformers.__version__.split(".")[0]) >= 5 and ("cache" in parameters
+                                                                  or "past_key_values" in parameters)
 
 
 @contextlib.contextmanager
@@ -103,8 +146,11 @@ def masks_in_program(transformer: torch.nn.Module, compiled):
     """Inside the block, a generate on ``transformer`` runs ``compiled`` (forward_setting_step_mask's, compiled)
     as its forward, with each step's mask made in the program (module doc)."""
     from transformers import masking_utils
+    from transformers.generation import utils as generation_utils
 
-    state = GenerateMask(masking_utils.create_masks_for_generate)
+    # What HF's generate would call without the hook: the name its own module holds.
+    state = GenerateMask(getattr(generation_utils, "create_masks_for_generate",
+                                 masking_utils.create_masks_for_generate))
     had_forward = "forward" in transformer.__dict__
     saved_forward = transformer.__dict__.get("forward")
     transformer.forward = state.forward(compiled)
