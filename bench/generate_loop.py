@@ -17,7 +17,9 @@ adapter i mod N.  Side by side, interleaved (each ratio within one repetition):
   - ``base, openxla, mask in program``: the same with this package's generate mask (serving/generate_mask.py):
     each step's mask made inside the compiled forward, as this backend's generate does;
   - ``xla_lora``: PEFT's ``generate(adapter_names=...)`` served by this backend, warmed by
-    ``precompile_generate``.
+    ``precompile_generate``;
+  - ``xla_lora, HF's host mask``: the same with the generate mask turned off for the call (HF builds each
+    step's mask on the host, as for a model it does not apply to); its tokens are checked equal to ``xla_lora``'s.
 
 ``compiles on the first generate after precompile_generate``: XLA programs compiled by this backend's first
 real ``generate`` of each batch (0 when precompile_generate warmed everything it runs).  Tokens of the two
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from unittest import mock
 
 import _common  # noqa: F401  (sets PJRT_DEVICE before torch_xla loads)
 import torch
@@ -39,6 +42,7 @@ from step_time import VOCAB, build_models
 BASE = "base, openxla"
 BASE_MASK = "base, openxla, mask in program"
 OURS = "xla_lora"
+OURS_HOST_MASK = "xla_lora, HF's host mask"
 
 
 def main(argv=None) -> int:
@@ -119,7 +123,12 @@ def main(argv=None) -> int:
                 return served.generate(input_ids=prompt, attention_mask=mask, adapter_names=adapter_names,
                                        max_new_tokens=args.new, do_sample=False).cpu()
 
-        fns = {BASE: run_base(base_forward, False), BASE_MASK: run_base(base_mask_forward, True), OURS: ours}
+        def ours_host_mask():
+            with mock.patch.object(generate_mask, "applies_to", lambda module: False):
+                return ours()
+
+        fns = {BASE: run_base(base_forward, False), BASE_MASK: run_base(base_mask_forward, True), OURS: ours,
+               OURS_HOST_MASK: ours_host_mask}
         start = time.perf_counter()
         backend.precompile_generate(served, [batch], [args.prompt], args.new, progress=False)
         warm_s = time.perf_counter() - start
@@ -127,11 +136,13 @@ def main(argv=None) -> int:
         first = ours()
         first_compiles = xla_compile_stats()[0] - c0
         tokens = {}
-        for name in (BASE, BASE_MASK):  # compile and warm up (twice: the first generate's programs differ)
+        for name in (BASE, BASE_MASK, OURS_HOST_MASK):  # compile and warm up (twice: the first generate's differ)
             fns[name]()
             tokens[name] = fns[name]()
         if not torch.equal(tokens[BASE], tokens[BASE_MASK]):
             raise AssertionError(f"batch {batch}: the mask in the program changed the base model's tokens")
+        if not torch.equal(tokens[OURS_HOST_MASK], first):
+            raise AssertionError(f"batch {batch}: HF's host mask changed this backend's tokens")
         if batch == 1:
             names_row = ["__base__" if a is None else a for a in adapter_names]
             with torch.no_grad():
@@ -153,15 +164,16 @@ def main(argv=None) -> int:
           f"{OURS} / base {summary(d['ratio'][OURS])}")
     print(f"generate, {args.new} new tokens, prompt {args.prompt}, {args.reps} repetitions (median [min-max] ratio "
           f"to {BASE!r} within a repetition)")
-    print(f"| batch | {BASE} ms | {BASE_MASK} | {OURS} | {OURS} / {BASE_MASK} | compiles: first generate after "
-          "precompile_generate / while timed |")
-    print("|---|---|---|---|---|---|")
+    print(f"| batch | {BASE} ms | {BASE_MASK} | {OURS} | {OURS} / {BASE_MASK} | {OURS} / {OURS_HOST_MASK} | "
+          "compiles: first generate after precompile_generate / while timed |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows_out:
         r, t = row["ratio"], row["times"]
         vs_mask = [a / b for a, b in zip(t[OURS], t[BASE_MASK])]
+        vs_host = [a / b for a, b in zip(t[OURS], t[OURS_HOST_MASK])]
         print(f"| {row['batch']} | {sorted(t[BASE])[args.reps // 2] * 1e3:.1f} | {summary(r[BASE_MASK])} | "
-              f"{summary(r[OURS])} | {summary(vs_mask)} | {row['compiles_first_generate_after_precompile']} / "
-              f"{row['xla_compiles_while_timed']} |")
+              f"{summary(r[OURS])} | {summary(vs_mask)} | {summary(vs_host)} | "
+              f"{row['compiles_first_generate_after_precompile']} / {row['xla_compiles_while_timed']} |")
     return 0
 
 

@@ -76,7 +76,7 @@ class GenerateMask:
         does not apply (no 2-d mask, no static length, token types that can unmask later columns, and
         without ``cache_position`` a cache that does not count its tokens as one full-attention layer does)."""
         mask = kwargs.get("attention_mask")
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        cache = kwargs.get("past_key_values") if kwargs.get("past_key_values") is not None else kwargs.get("cache")
         length = _static_length(cache) if kwargs.get("cache_position") is not None else _counted_length(cache)
         if (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(length, int)
                 or any(kwargs.get(k) is not None for k in ("token_type_ids", "mm_token_type_ids"))
