@@ -1,9 +1,10 @@
 """An adapter pool under a Zipf stream: 256 saved adapters through 8 or 32 slots, against all resident.
 
     python bench/adapter_pool.py [--adapters 256] [--batches 60] [--reps 3]
+        [--hidden 256] [--intermediate 512] [--layers 2] [--vocab 512]
 
-One process holds served copies of one tiny Llama (all-linear LoRA,
-r=16): 8 slots and 32 slots (each also with the next batch's adapters
+One process holds served copies of one Llama (all-linear LoRA, r=16; by
+default a tiny one, hidden 256): 8 slots and 32 slots (each also with the next batch's adapters
 prefetched while a batch runs), and 256 slots with every adapter loaded before the
 stream (no swap).  The same Zipf(1.1) stream of batches (8 requests of 32
 tokens, each on its own adapter) runs through each, in rotating order within
@@ -29,12 +30,13 @@ from _timing import summary
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def save_adapters(root, n: int, rank: int, seed: int = 0):
-    """``n`` adapters saved with PEFT's save_pretrained (random weights, alphas that differ)."""
+def save_adapters(root, n: int, rank: int, seed: int = 0, model=None):
+    """``n`` adapters saved with PEFT's save_pretrained (random weights, alphas that differ), for a Llama of
+    ``model``'s shape (default ``MODEL``)."""
     import torch
     from xla_lora_pass.demo_models import tiny_peft_llama
 
-    template, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=(("default", rank, rank),), **MODEL)
+    template, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=(("default", rank, rank),), **(model or MODEL))
     gen = torch.Generator().manual_seed(seed)
     lora = [p for name, p in template.named_parameters() if ".lora_A." in name or ".lora_B." in name]
     for i in range(n):
@@ -49,13 +51,14 @@ def save_adapters(root, n: int, rank: int, seed: int = 0):
 MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512)
 
 
-def served(root, names, slots: int, resident: bool, device):
-    """A compiled model whose metadata knows every adapter by directory (loaded up front if ``resident``)."""
+def served(root, names, slots: int, resident: bool, device, shape=None):
+    """A compiled model (a Llama of ``shape``, default ``MODEL``) whose metadata knows every adapter by directory
+    (loaded up front if ``resident``)."""
     import torch
     import xla_lora_pass as xlp
     from xla_lora_pass.demo_models import tiny_peft_llama
 
-    model, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=((names[0], RANK, RANK),), **MODEL)
+    model, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=((names[0], RANK, RANK),), **(shape or MODEL))
     model = model.to(device)
     meta = xlp.LoRAMetadata(max_num_tokens=512, max_slots=slots)
     meta.register_adapters(model)
@@ -75,7 +78,13 @@ def main():
     parser.add_argument("--adapters", type=int, default=256)
     parser.add_argument("--batches", type=int, default=60, help="batches per configuration per repetition")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=MODEL["hidden_size"])
+    parser.add_argument("--intermediate", type=int, default=MODEL["intermediate_size"])
+    parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    parser.add_argument("--vocab", type=int, default=MODEL["vocab_size"])
     args = parser.parse_args()
+    shape = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                 vocab_size=args.vocab)
 
     import torch
     import torch_xla
@@ -83,15 +92,15 @@ def main():
 
     device = torch_xla.device()
     root = tempfile.mkdtemp(prefix="adapter_pool_")
-    names, adapter_bytes = save_adapters(root, args.adapters, RANK)
+    names, adapter_bytes = save_adapters(root, args.adapters, RANK, model=shape)
     configs = {"8 slots": (8, False), "8 slots, next batch prefetched": (8, False), "32 slots": (32, False),
                "32 slots, next batch prefetched": (32, False),
                f"{args.adapters} slots, all resident": (args.adapters, True)}
-    served_by = {label: served(root, names, *cfg, device) for label, cfg in configs.items()}
+    served_by = {label: served(root, names, *cfg, device, shape) for label, cfg in configs.items()}
     weights = torch.tensor([1.0 / (i + 1) ** 1.1 for i in range(len(names))])
     gen = torch.Generator().manual_seed(0)
     stream = [([names[i] for i in torch.multinomial(weights, ROWS, replacement=True, generator=gen).tolist()],
-               torch.randint(0, MODEL["vocab_size"], (ROWS, SEQ), generator=gen)) for _ in range(args.batches)]
+               torch.randint(0, args.vocab, (ROWS, SEQ), generator=gen)) for _ in range(args.batches)]
 
     def run(label, batches):
         meta, compiled = served_by[label]
@@ -133,7 +142,8 @@ def main():
                      f"{t['loads'] / steps:.2f}",
                      f"{t['swap_s'] / t['loads'] * 1e3:.2f}" if t["loads"] else "-",
                      f"{t['bytes'] / steps / 1e3:.0f}", f"{t['outbound'] / steps / 1e3:.0f}"])
-    print(f"\n{args.adapters} adapters (all-linear r={RANK}, {adapter_bytes / 1e6:.2f} MB each), Zipf(1.1) stream of "
+    print(f"\nLlama hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}; "
+          f"{args.adapters} adapters (all-linear r={RANK}, {adapter_bytes / 1e6:.2f} MB each), Zipf(1.1) stream of "
           f"{ROWS} requests x {SEQ} tokens, {args.reps} reps x {args.batches} batches; XLA compiles during the "
           f"timed stream: {xla_compile_stats()[0] - compiles_before}\n")
     print(markdown_table(["configuration", "step ms (median)", "step / all resident", "swaps / step", "ms / swap",
