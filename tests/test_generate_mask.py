@@ -5,12 +5,12 @@ static cache's own length), and on a sliding-window cache, which transformers 5 
 import pytest
 import torch
 
-pytestmark = pytest.mark.compat
-
 import xla_lora_pass as xlp
-from xla_lora_pass.demo_models import tiny_peft_llama
+from xla_lora_pass.demo_models import tiny_peft_gpt2, tiny_peft_llama
 
 from .generate_cases import ROWS, generate_rows, left_padded_prompts
+
+pytestmark = pytest.mark.compat  # how generate passes the step's position and builds its masks changes between releases
 
 
 def _generate_counting_host_masks(model, device, inner, monkeypatch):
@@ -34,16 +34,60 @@ def _generate_counting_host_masks(model, device, inner, monkeypatch):
     return len(calls)
 
 
-def test_generate_builds_no_mask_on_the_host_and_matches_eager_peft(device, inner, monkeypatch):
+def _tiny_peft_opt():
+    """OPT: learned positions that its forward derives from the attention mask when none are passed."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    config = transformers.OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64)
+    model = None
+    for name, rank, alpha in (("sql", 4, 8), ("chat", 8, 16), ("code", 2, 2)):
+        config_lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        if model is None:
+            model = get_peft_model(transformers.OPTForCausalLM(config).eval(), config_lora, adapter_name=name)
+        else:
+            model.add_adapter(name, config_lora)
+    return model.eval()
+
+
+FAMILIES = {
+    "llama": lambda: tiny_peft_llama(seed=3)[0],  # rotary positions
+    # Learned absolute positions: a position off by the left padding changes the tokens (rotary ones do not).
+    "gpt2": lambda: tiny_peft_gpt2(seed=3)[0],
+    "opt": _tiny_peft_opt,
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_generate_builds_no_mask_on_the_host_and_matches_eager_peft(family, device, inner, monkeypatch):
     """A static-cache generate's 4-d masks are made inside the compiled forward: HF's create_masks_for_generate
-    never runs (it ran once per step before), and the tokens of left-padded rows stay eager PEFT's."""
+    never runs (it ran once per step before), and the tokens of left-padded rows stay eager PEFT's.  The
+    forward keeps the model's signature, so HF still passes ``position_ids`` (GPT-2's, OPT's learned positions
+    follow the left padding only through them) and ``logits_to_keep``."""
+    import functools
+    import inspect
+
     from xla_lora_pass.serving.generate_mask import applies_to
 
     torch._dynamo.reset()
-    model, _ = tiny_peft_llama(seed=3)
-    assert applies_to(model.get_base_model())
+    model = FAMILIES[family]()
+    transformer = model.get_base_model()
+    assert applies_to(transformer)
+    seen = []
+    original_prepare = transformer.prepare_inputs_for_generation
+
+    @functools.wraps(original_prepare)  # HF reads its signature too (which model kwargs are used)
+    def prepare(*args, **kwargs):
+        seen.append(set(inspect.signature(transformer.forward).parameters))
+        return original_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(transformer, "prepare_inputs_for_generation", prepare)
     calls = _generate_counting_host_masks(model, device, inner, monkeypatch)
     assert calls == 0, f"HF built {calls} masks on the host"
+    own = set(inspect.signature(type(transformer).forward).parameters) - {"self"}
+    assert {"position_ids"} <= own and seen and all(names == own for names in seen), (own, seen[:1])
 
 
 def test_a_sliding_window_cache_keeps_hf_mask_on_transformers_5(device, inner, monkeypatch):

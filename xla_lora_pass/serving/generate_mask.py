@@ -26,6 +26,7 @@ or linear-attention layer:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -38,6 +39,10 @@ def forward_setting_step_mask(forward):
     """``forward`` taking ``xla_lora_generate_mask=``: the padded mask, made this step's mask from the step's
     last cache position inside the traced program."""
 
+    # The model's own signature (``__wrapped__``): HF's generate passes ``position_ids`` and ``logits_to_keep``
+    # only to a forward whose signature names them.  Without them GPT-2's learned positions ignored the left
+    # padding (wrong tokens) and OPT's forward raised; rotary models hid it.
+    @functools.wraps(forward, updated=())  # not its __dict__ (a compiled callable's marks)
     def forward_with_generate_mask(*args, **kwargs):
         padded = kwargs.pop(GENERATE_MASK, None)
         if padded is not None:
@@ -91,6 +96,7 @@ class GenerateMask:
         """The model's forward during the generate: ``compiled`` (made by forward_setting_step_mask), given the
         padded mask as ``xla_lora_generate_mask`` when HF passes it as the attention mask."""
 
+        @functools.wraps(compiled, updated=())  # the model's signature (forward_setting_step_mask)
         def forward(*args, **kwargs):
             if self.padded is not None and kwargs.get("attention_mask") is self.padded:
                 kwargs[GENERATE_MASK] = kwargs.pop("attention_mask")
