@@ -187,7 +187,9 @@ def warm_generate(route: GenerateRoute, model: torch.nn.Module, batch: int, prom
     them (slicing the step's ids, position ids, the stopping criteria) are
     one small program per sequence length.  The first generate of a shape
     runs other programs than every later one (Dynamo's compiles in between
-    leave other tensors pending), so the unpadded prompt's runs again last.
+    leave other tensors pending), so each prompt's generate runs twice: on
+    transformers 5 the left-padded one's second run has per-step position
+    ids of its own (16 programs for 16 tokens that a single run left cold).
     Stopping at an end token would leave later lengths cold, so the end
     tokens are ids past the vocabulary (the same ops, on values no step makes).
     Each result is read back to the host, as a caller's is.
@@ -207,7 +209,7 @@ def warm_generate(route: GenerateRoute, model: torch.nn.Module, batch: int, prom
     unreachable = _unreachable_end_tokens(transformer, settings)
     if unreachable is not None:
         settings["eos_token_id"] = unreachable
-    for mask in masks + masks[:1]:
+    for mask in masks + masks:
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                  past_key_values=cache, **settings)
