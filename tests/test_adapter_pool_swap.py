@@ -47,6 +47,7 @@ def test_a_swap_is_one_transfer_and_one_program_and_exact(saved, xla_device, pre
     import copy
 
     import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
 
     from .xla_utils import xla_compiles
 
@@ -70,9 +71,12 @@ def test_a_swap_is_one_transfer_and_one_program_and_exact(saved, xla_device, pre
             meta.prefetch([name], wait=True)
         xm.wait_device_ops()
         executions, transfers = _metric_count("ExecuteTime"), _metric_count("TransferToDeviceTime")
+        lookups = met.counter_value("CachedCompile") or 0
         meta.set_request_adapters([name, "ad0"])  # evicts the other adapter's slot
         xm.wait_device_ops()  # an execution is counted when it ends (the swap does not wait for it)
         assert _metric_count("ExecuteTime") - executions == 1, name
+        # Run as the program compiled at warm-up: no op traced again and looked up in XLA's program cache.
+        assert (met.counter_value("CachedCompile") or 0) == lookups, name
         assert _metric_count("TransferToDeviceTime") - transfers <= 1, name  # 0 where nothing is new but rows
         with torch.no_grad():
             out = compiled(input_ids=ids.to(xla_device)).logits.cpu()

@@ -5,9 +5,10 @@ Written one stack at a time, each stack costs a transfer and, on XLA, a
 program launch and a sync of its own (22 of each for a 2-layer all-linear
 Llama; measured 7.7 ms a swap at load 6 on 2 cores).  Here every stack's
 rows for the slot are packed into one host buffer, sent in one call
-(``Runtime.send``), and one traced update cuts it up, pads each piece with
-zeros made on the device and index-copies it into its stack in place; on
-XLA it is one program, started by one sync of all the stacks it writes.
+(``Runtime.send``), and one update cuts it up, pads each piece with zeros
+made on the device and index-copies it into its stack in place
+(``Runtime.write_program``): on XLA one program, traced once and then run on
+each swap's data, since tracing its ops again took most of a swap.
 
 The program depends on every piece's shape, so the rows sent are cut to
 one bucket for the whole swap (``slot_rows.bucket`` of the most rows any
@@ -22,6 +23,7 @@ call, so they are an input of the program rather than constants of it.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -69,6 +71,7 @@ class SlotSwap:
         self.plains = tuple(plains)  # what each plain row is (the caller's keys), in Target.row order
         self._rows = rows  # slot -> the plain host rows, in Target.row order
         self._batched: Tuple[Tuple[int, bool], ...] = ()  # the shapes written several slots at once (warm)
+        self._programs: Dict[tuple, Callable[..., None]] = {}  # (shape, slots, pieces) -> runtime.write_program
 
     def shape_of(self, rows: Sequence[SlotRow]) -> Tuple[int, bool]:
         """The (bucket, whole rows sent) a swap of these rows runs: the key of its program."""
@@ -128,26 +131,46 @@ class SlotSwap:
         staged = [s if s is not None and s.shape == shape else self._staged(r, shape) for s, r in zip(staged, rows)]
         batch, first = len(slots), staged[0]
         runtime = runtimes.for_device(self.device)
-        dtypes = list(first.buffers)
-        outgoing = [torch.cat([s.buffers[d] for s in staged]) if batch > 1 else first.buffers[d] for d in dtypes]
+        outgoing = [torch.cat([s.buffers[d] for s in staged]) if batch > 1 else first.buffers[d] for d in first.buffers]
         # The slot numbers are a device input of the program, not constants of it.
-        arrived = runtime.send(outgoing + [torch.tensor(list(slots))], self.device)
-        index = arrived.pop()
+        outgoing.append(torch.tensor(list(slots)))
+        pieces = runtime.send(outgoing, self.device)
+        copies = [t.copy for t in self.targets]
+        args = copies + [p for ps in pieces for p in ps]
+        key = (shape, batch, first.pieces)
+        program = self._programs.get(key)
+        if program is None:
+            layout = _Layout(batch, tuple(first.buffers), first.offsets, first.sizes, first.pieces,
+                             _structure(rows[0]), tuple(t.shape for t in outgoing), tuple(map(len, pieces)))
+            write = functools.partial(self._write_program, runtime, layout)
+            program = self._programs[key] = runtime.write_program(write, args, range(len(copies)))
+        program(*args)
+        return sum(s.bytes for s in staged)
+
+    def _write_program(self, runtime, layout: "_Layout", *values: torch.Tensor) -> None:
+        """What one batch's program does: the sent pieces joined, cut per plain row, padded back to the
+        stacks' widths, and index-copied into every target at the slot numbers sent with them."""
+        values = list(values)
+        copies, arrived = values[:len(self.targets)], values[len(self.targets):]
+        joined = []
+        for shape, count in zip(layout.sent, layout.counts):
+            joined.append(runtime.joined(arrived[:count], shape))
+            arrived = arrived[count:]
+        index = joined.pop()
+        batch = layout.batch
         # Each slot's buffer has the same layout (one shape): [batch, its length] per dtype.
-        on_device = {d: t.view(batch, -1) for d, t in zip(dtypes, arrived)}
-        full, at = [], iter(first.offsets)
-        for row, size, piece in zip(rows[0], first.sizes, first.pieces):
+        on_device = {d: t.view(batch, -1) for d, t in zip(layout.dtypes, joined)}
+        full, at = [], iter(layout.offsets)
+        for row, size, piece in zip(layout.rows, layout.sizes, layout.pieces):
             if piece is not None:
                 dtype, piece_shape = piece
                 piece = on_device[dtype].narrow(1, next(at), piece_shape.numel()).view(batch, *piece_shape)
             full.append(_padded(row, piece, size, self.device, batch))
-        for target in self.targets:
+        for target, copy in zip(self.targets, copies):
             value = full[target.row]
             # In place on XLA too (the stacks are aliased to the program's outputs): 22 stacks of [N, 16, 512]
             # written in 0.56 ms with N = 8 or 32 (index_put_: 0.79 ms).
-            target.copy.index_copy_(0, index, value.transpose(1, 2) if target.transposed else value)
-        runtime.after_writes([t.copy for t in self.targets])
-        return sum(s.bytes for s in staged)
+            copy.index_copy_(0, index, value.transpose(1, 2) if target.transposed else value)
 
     def warm(self, batched: bool = False) -> int:
         """Compile every program a swap of these stacks may run: one slot of each shape, or (``batched``)
@@ -167,6 +190,26 @@ class SlotSwap:
         return total + (self.write_many(list(range(max(n for _, n in runs)))) if runs else 0)
 
 
+class _Layout(NamedTuple):
+    """What a write program is built for: the number of slots it writes, one slot's staged layout (the same
+    for every slot of a shape: ``Staged``), the plain rows' structure, and how the buffers were sent."""
+
+    batch: int
+    dtypes: Tuple[torch.dtype, ...]  # the buffers', in the order sent
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    pieces: tuple
+    rows: Tuple[SlotRow, ...]  # the plain rows' parts as meta tensors: shapes and dtypes only
+    sent: Tuple[torch.Size, ...]  # each tensor sent (the buffers, then the slot numbers): its shape
+    counts: Tuple[int, ...]  # and the pieces it went in
+
+
+def _structure(rows: Sequence[SlotRow]) -> Tuple[SlotRow, ...]:
+    """``rows`` without their values (a program kept for the pool's life keeps no adapter's rows alive)."""
+    return tuple(SlotRow(tuple(torch.empty(p.shape, dtype=p.dtype, device="meta") for p in r.parts), r.dim)
+                 for r in rows)
+
+
 def batches(n: int, sizes: Sequence[int] = BATCH_SIZES) -> List[int]:
     """The program sizes ``n`` swaps are written in: the largest of ``sizes`` that fits, again."""
     out = []
@@ -178,7 +221,7 @@ def batches(n: int, sizes: Sequence[int] = BATCH_SIZES) -> List[int]:
 
 def _padded(row: SlotRow, piece: Optional[torch.Tensor], size: int, device, batch: int) -> torch.Tensor:
     """``row.full`` for ``batch`` slots at once (``piece``: ``[batch, *sent]``, None when nothing is sent), with
-    one op per part (a pad): what a swap traces once per stack, so its op count is its host time on XLA."""
+    one op per part (a pad)."""
     if piece is None:
         zeros = row.full(None, size, device)
         return zeros.expand(batch, *zeros.shape)

@@ -9,7 +9,7 @@ and there is no mesh to place tensors over.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -44,10 +44,31 @@ class Runtime:
         for tensor in tensors:
             self.after_write(tensor)
 
-    def send(self, tensors: Sequence[torch.Tensor], device) -> List[torch.Tensor]:
-        """Copies of host ``tensors`` on ``device``, sent in one call where the runtime has one (a swap's
-        buffer and slot number: metadata/slot_swap.py)."""
-        return [t.to(device) for t in tensors]
+    def send(self, tensors: Sequence[torch.Tensor], device) -> List[List[torch.Tensor]]:
+        """Copies of host ``tensors`` on ``device``, sent in one call where the runtime has one, each as the
+        pieces it went in (``joined`` makes it whole inside the program that reads it): a swap's buffer and
+        slot numbers (metadata/slot_swap.py)."""
+        return [[t.to(device)] for t in tensors]
+
+    @staticmethod
+    def joined(pieces: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """The tensor of ``shape`` that ``send`` sent as ``pieces``."""
+        whole = pieces[0] if len(pieces) == 1 else torch.cat(list(pieces))
+        # No view op unless needed: on XLA a tensor read as device data in one program and through a view in
+        # another makes them two programs (measured: a swap compiled again after warm-up).
+        return whole if whole.shape == shape else whole.view(shape)
+
+    def write_program(self, write: Callable[..., None], args: Sequence[torch.Tensor],
+                      written: Sequence[int]) -> Callable[..., None]:
+        """``write`` (in place into ``args[i]`` for ``i`` in ``written``, returning nothing) as a callable for
+        arguments shaped as ``args`` that also starts the writes: here ``write`` itself, then ``after_writes``
+        (a runtime that traces ops again on every call compiles it once instead: xla.py)."""
+
+        def run(*values: torch.Tensor) -> None:
+            write(*values)
+            self.after_writes([values[i] for i in written])
+
+        return run
 
     def storage_marks(self, tensors: Sequence[torch.Tensor]) -> List[Optional[int]]:
         """Each tensor's storage, as a value that changes when the tensor gets new storage (its data pointer)."""

@@ -9,11 +9,11 @@ package imports without it.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from . import xla_cpu_flags, xla_layer_norm
+from . import xla_cpu_flags, xla_layer_norm, xla_writes
 from .generic import Runtime
 
 log = logging.getLogger(__name__)
@@ -63,23 +63,26 @@ class XLARuntime(Runtime):
 
         torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=False)
 
-    def send(self, tensors: Sequence[torch.Tensor], device) -> List[torch.Tensor]:
-        """One transfer call for all of ``tensors``, each cut into pieces of at most ``SEND_PIECE_BYTES`` and
-        joined again on the device (inside the program that reads them)."""
+    def send(self, tensors: Sequence[torch.Tensor], device) -> List[List[torch.Tensor]]:
+        """One transfer call for all of ``tensors``, each cut into pieces of at most ``SEND_PIECE_BYTES``."""
         import torch_xla
 
         pieces = [list(t.reshape(-1).split(max(1, SEND_PIECE_BYTES // t.element_size()))) if t.numel() else [t]
                   for t in tensors]
-        flat = [p for ps in pieces for p in ps]
-        arrived = iter(torch_xla._XLAC._xla_tensors_from_aten(flat, [str(device)] * len(flat)))
-        out = []
-        for t, ps in zip(tensors, pieces):
-            got = [next(arrived) for _ in ps]
-            joined = got[0] if len(got) == 1 else torch.cat(got)
-            # No view op unless needed: a tensor read as device data in one program and through a view in
-            # another makes them two programs (measured: a swap compiled again after warm-up).
-            out.append(joined if joined.shape == t.shape else joined.view(t.shape))
-        return out
+        arrived = iter(torch_xla._XLAC._xla_tensors_from_aten([p for ps in pieces for p in ps],
+                                                               [str(device)] * sum(map(len, pieces))))
+        return [[next(arrived) for _ in ps] for ps in pieces]
+
+    def write_program(self, write: Callable[..., None], args: Sequence[torch.Tensor],
+                      written: Sequence[int]) -> Callable[..., None]:
+        """Compiled once and run on each call's device data, nothing traced again (xla_writes.py); traced on
+        every call, as elsewhere, under SPMD, where a compiled program is bound to its inputs' shardings and
+        ``meta.shard`` may change them after it is compiled."""
+        import torch_xla.runtime as xr
+
+        if xr.is_spmd():
+            return super().write_program(write, args, written)
+        return xla_writes.compile_writes(write, args, written)
 
     def storage_marks(self, tensors: Sequence[torch.Tensor]) -> List[Optional[int]]:
         """Each tensor's device data handle: a write, through ``.data`` or not, gives it a new one (None while a
