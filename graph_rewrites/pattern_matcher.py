@@ -130,6 +130,8 @@ def apply_pattern(gm: fx.GraphModule, ctx: RewriteContext, pattern: Pattern) -> 
     rewritten = 0
     for m in find_matches(gm, pattern.graphs()):
         ref = m.weight
+        if ref is not None and _drop_other_active_branch(m, ref, ctx):
+            continue
         reason = _guarded(pattern, m, "check", pattern.check, m)
         new_out = None
         if reason is None:
@@ -149,6 +151,28 @@ def apply_pattern(gm: fx.GraphModule, ctx: RewriteContext, pattern: Pattern) -> 
         ))
         rewritten += 1
     return rewritten
+
+
+def _drop_other_active_branch(m: LinearMatch, ref: LoRAWeightRef, ctx: RewriteContext) -> bool:
+    """Remove ``m``'s branch if its site is rewritten already for another adapter; True if removed.
+
+    PEFT with several active adapters (``set_adapter([...])``) adds each
+    one's branch at a site in turn.  The site's rewrite adds the delta of the
+    adapter each token is mapped to, whichever adapter's branch it replaced,
+    so another branch left in would add a second adapter's delta (and one
+    rewritten too would add the mapped adapter's delta twice).
+    """
+    if not any(s.site == ref.site and s.adapter != ref.adapter for s in ctx.report.sites):
+        return False
+    inside = set(m.nodes)
+    # What the branch's delta is added to now: ``m.base`` may be the earlier branch's sum, replaced since.
+    added_to = [n for n in m.output.all_input_nodes if n not in inside]
+    if len(added_to) != 1:
+        return False
+    m.output.replace_all_uses_with(added_to[0])
+    fx_utils.erase_dead(m.nodes + _item_of(m.scale_node))
+    ctx.report.dropped_branches.append((ref.site, ref.adapter))
+    return True
 
 
 def _item_of(node: Optional[fx.Node]) -> List[fx.Node]:

@@ -39,6 +39,8 @@ class RewriteReport:
     error: Optional[str] = None  # set when the rewrite failed and the graph was left alone
     token_layout: Optional[Tuple] = None  # the graph's token dims (int/SymInt), when it has LoRA sites
     shrinks_fused: int = 0  # shrink calls saved by fusing sites that share an input
+    # (site, adapter) of branches removed: another active adapter's at a site rewritten for the mapped one
+    dropped_branches: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def counts(self) -> Dict[str, int]:
         """Sites rewritten per pattern name."""
@@ -54,6 +56,9 @@ class RewriteReport:
             lines.append(f"  rewritten  {s.site}  [{s.pattern}]  x{list(s.x_shape or ())} -> "
                          f"{list(s.out_shape or ())}  rank {s.rank}  slots {s.num_slots}  "
                          f"replaced {', '.join(s.replaced)}")
+        for site, adapter in self.dropped_branches:
+            lines.append(f"  removed    {site}  adapter {adapter!r}'s branch: another active adapter's, the site "
+                         "adds the mapped adapter's delta")
         for n in self.near_misses:
             lines.append(f"  near miss  {n.site}  [{n.pattern or '-'}]  {n.reason}")
         if self.error:

@@ -42,8 +42,9 @@ def _ids(vocab=128, rows=len(ROWS)):
 
 
 def _serve(model, device, inner, rows_list, call, refs):
-    """Compile, run each rows mapping, check against its reference; return (meta, compiles on the remaps)."""
-    meta, _, compiled = compile_lora(model, device, 256, inner=inner)
+    """Compile, run each rows mapping, check against its reference; return (meta, compiles on the remaps,
+    backend)."""
+    meta, backend, compiled = compile_lora(model, device, 256, inner=inner)
     remap_compiles = []
     for i, rows in enumerate(rows_list):
         meta.set_token_adapters(per_sequence_mapping(rows, SEQ))
@@ -56,7 +57,7 @@ def _serve(model, device, inner, rows_list, call, refs):
         assert diff < 1e-4, (rows, diff)
     model.cpu()
     torch._dynamo.reset()
-    return meta, remap_compiles
+    return meta, remap_compiles, backend
 
 
 def test_adapters_on_different_target_modules(device, inner):
@@ -69,7 +70,7 @@ def test_adapters_on_different_target_modules(device, inner):
         ("code", ["gate_proj", "up_proj", "embed_tokens"], 2, 2, {"use_rslora": True})])
     ids = _ids()
     refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
-    meta, remaps = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
+    meta, remaps, _ = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert len(meta.sites) == 2 * 7 + 1
     rewrites = meta.stats["rewrites"]
     assert rewrites["lora_linear"] + rewrites["lora_attach"] == 2 * 7 + 1  # every site, whatever is active
@@ -86,7 +87,7 @@ def test_modules_to_save_lm_head_and_embed_tokens(device, inner):
         ("sql", ["q_proj"], 4, 8, saved), ("chat", ["v_proj"], 8, 16, saved), ("code", ["q_proj"], 2, 2, saved)])
     ids = _ids()
     refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
-    meta, remaps = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
+    meta, remaps, _ = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert meta.stats["rewrites"]["saved_module"] == 2
     assert remaps == [0]
 
@@ -103,7 +104,7 @@ def test_roberta_sequence_classification_head(device, inner):
         ("code", ["value"], 2, 2, {})], task_type="SEQ_CLS")
     ids = _ids()
     refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
-    meta, remaps = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
+    meta, remaps, _ = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert "base_model.model.classifier" in meta.saved_modules
     assert meta.stats["rewrites"]["saved_module"] == 1
     assert remaps == [0]
@@ -119,7 +120,7 @@ def test_llama_sequence_classification_score(device, inner):
         task_type="SEQ_CLS")
     ids = _ids()
     refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
-    meta, remaps = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
+    meta, remaps, _ = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert "base_model.model.score" in meta.saved_modules
     assert remaps == [0]
 
@@ -161,6 +162,28 @@ def test_tied_embeddings_retied_on_the_device(device, inner):
     rows_list = [["both", "sql", None, "emb"], ["head", "both", "emb", None]]
     ids = _ids()
     refs = [per_row_eager(model, ids.to(device), rows).logits.cpu() for rows in rows_list]
-    meta, remaps = _serve(model, device, inner, rows_list, lambda m: m(input_ids=ids.to(device)).logits, refs)
+    meta, remaps, _ = _serve(model, device, inner, rows_list, lambda m: m(input_ids=ids.to(device)).logits, refs)
     assert meta.stats["rewrites"]["lora_attach"] >= 2  # embed_tokens and lm_head: "sql" has neither branch
     assert remaps == [0]
+
+
+def test_several_active_adapters_serve_the_mapped_one_only(device, inner):
+    """PEFT with two adapters active (``set_adapter([...])``) traces both branches where their targets overlap
+    and adds both deltas; a row is served its mapped adapter alone, as one eager run per adapter computes it.
+    Before: the second branch was left alone and added on top, so every row on ``chat`` got chat's delta twice
+    at q_proj (0.02 off) and every other mapping was refused."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = _peft(LlamaForCausalLM(tiny_llama_config()), [
+        ("sql", ["q_proj", "v_proj"], 4, 8, {}), ("chat", ["q_proj", "down_proj"], 8, 16, {}),
+        ("code", ["q_proj"], 2, 2, {})])
+    ids = _ids()
+    rows = [["chat", "chat", "chat", "chat"], ROWS, ROTATED]
+    refs = [per_row_eager(model, ids, r).logits for r in rows]
+    model.base_model.set_adapter(["sql", "chat"])
+    meta, _, backend = _serve(model, device, inner, rows, lambda m: m(input_ids=ids.to(device)).logits, refs)
+    # 2 layers: q_proj's chat branch removed, sql's rewritten (serving all three); v_proj (sql), down_proj (chat)
+    assert meta.stats["rewrites"]["lora_linear"] == 2 * 3
+    assert sorted(b for g in backend.graphs for b in g.report.dropped_branches) == [
+        (f"base_model.model.model.layers.{i}.self_attn.q_proj", "chat") for i in range(2)]

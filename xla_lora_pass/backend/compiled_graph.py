@@ -102,6 +102,13 @@ class CompiledLoRAGraph:
     def _check_uniform(self, values: set) -> None:
         """Layers left alone compute one adapter (None: the base model) for every token: accept only
         ``values`` == that."""
+        both = sorted(set(self.leftovers) & {s.site for s in self.report.sites})
+        if both:
+            raise UnsupportedMappingError(
+                f"this compiled graph rewrote LoRA sites {both} but also holds another active adapter's branch "
+                f"there, left alone (PEFT adds every active adapter's branch: set_adapter([...])), so no mapping "
+                f"is served exactly; activate one adapter (model.set_adapter(name)) before compiling: the "
+                f"mapping serves every registered adapter whichever is active")
         active = {ref.adapter for ref in self.leftovers.values()}
         slots = {NO_LORA if a is None else self.meta.slots.index(a) if a in self.meta.slots else None
                  for a in active}
