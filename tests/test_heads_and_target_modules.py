@@ -92,6 +92,25 @@ def test_modules_to_save_lm_head_and_embed_tokens(device, inner):
     assert remaps == [0]
 
 
+def test_saved_lm_head_of_tied_embeddings(device, inner):
+    """The original lm_head's weight is embed_tokens' (tie_word_embeddings), so the embedding's read of it
+    is no read of the saved lm_head. Before: that read made the graph, which runs the active adapter's copy,
+    count as running the base model: the base mapping was served with sql's head (2.9 off eager), every
+    other refused. ``code`` has no copy (the original serves it, as in PEFT)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(4)
+    saved = {"modules_to_save": ["lm_head"]}
+    model = _peft(LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True)), [
+        ("sql", ["q_proj"], 4, 8, saved), ("chat", ["v_proj"], 8, 16, saved), ("code", ["q_proj"], 2, 2, {})])
+    ids = _ids()
+    rows = [[None] * 4, ROWS, ROTATED]
+    refs = [per_row_eager(model, ids, r).logits for r in rows]
+    meta, remaps, _ = _serve(model, device, inner, rows, lambda m: m(input_ids=ids.to(device)).logits, refs)
+    assert meta.stats["rewrites"]["saved_module"] == 1
+    assert remaps == [0, 0]
+
+
 def test_roberta_sequence_classification_head(device, inner):
     """SEQ_CLS saves RoBERTa's whole classifier (dense -> tanh -> out_proj on the first token) per adapter."""
     from transformers import RobertaConfig, RobertaForSequenceClassification

@@ -41,13 +41,36 @@ PATTERN_NAME = "saved_module"
 
 
 def saved_param_inputs(gm: fx.GraphModule) -> Dict[str, List[fx.Node]]:
-    """Placeholders holding a saved module's tensors that the graph reads, per saved module."""
+    """Placeholders holding a saved module's tensors that the graph reads, per saved module.
+
+    A tensor is found by identity, so a tied one (the original ``lm_head``'s
+    weight is ``embed_tokens``'s) is marked in a graph that reads it only as
+    the other module's.  An original module's tensor read only outside the
+    module, in a graph whose nodes record the module (it runs a copy, or ran
+    one before this pass served it), is not the module's: counted, it stood
+    for the original and made a graph running the copy look like one running
+    the base model.  A copy's tensor read outside still counts (and
+    ``find_region`` refuses it).
+    """
     found: Dict[str, List[fx.Node]] = collections.defaultdict(list)
     for node in gm.graph.find_nodes(op="placeholder"):
         ref = node.meta.get(SAVED_PARAM)
         if ref is not None and node.users:
             found[ref.site].append(node)
+    recorded = {key for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+                for key in (n.meta.get("nn_module_stack") or {})}
+    for site, nodes in list(found.items()):
+        kept = [n for n in nodes if not _read_only_as_another_modules(n, n.meta[SAVED_PARAM], recorded)]
+        if kept:
+            found[site] = kept
+        else:
+            del found[site]
     return dict(found)
+
+
+def _read_only_as_another_modules(node: fx.Node, ref: SavedParamRef, recorded) -> bool:
+    return ref.adapter is None and ref.module_key in recorded and not any(
+        _in_module(u, ref.module_key) for u in node.users)
 
 
 def unserved_saved_modules(gm: fx.GraphModule) -> Dict[str, SavedParamRef]:

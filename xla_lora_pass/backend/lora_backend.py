@@ -84,7 +84,8 @@ class LoRABackend:
         """Warm every bucket before serving; returns the number of programs compiled.
 
         ``run(n)`` must call the compiled model once with ``n`` tokens in the
-        bucketed dim (e.g. ``lambda n: model(input_ids=ids[:, :n])``).  It is
+        bucketed dim (e.g. ``lambda n: model(input_ids=ids[:, :n].clone())``: a new tensor, as serving
+        passes, not a view, which Dynamo would guard on its base).  It is
         called for 2 and 1 first (Dynamo's first static trace and its size-1
         specialization), then for every bucket size, with every token on the
         base model, once per kernel serving will use: ``kernels`` names them
