@@ -13,7 +13,8 @@ compiled call.  Printed: step time / all-resident step (median [min-max]
 over repetitions), swaps per step, milliseconds per swapped adapter, and
 adapter bytes sent to the device per step (``meta.stats["bytes_to_device"]``,
 checked against torch_xla's ``OutboundData``); then a swap of an adapter
-already read (prefetched and staged) against copying its bytes to the device.
+already read (prefetched and staged) against the same swap with its writes
+traced on every call, and against copying its bytes to the device.
 """
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ from _timing import summary
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def save_adapters(root, n: int, rank: int, seed: int = 0, model=None):
+def save_adapters(root, n: int, rank: int, seed: int = 0, shape=None):
     """``n`` adapters saved with PEFT's save_pretrained (random weights, alphas that differ), for a Llama of
-    ``model``'s shape (default ``MODEL``)."""
+    ``shape`` (default ``MODEL``)."""
     import torch
     from xla_lora_pass.demo_models import tiny_peft_llama
 
-    template, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=(("default", rank, rank),), **(model or MODEL))
+    template, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=(("default", rank, rank),), **(shape or MODEL))
     gen = torch.Generator().manual_seed(seed)
     lora = [p for name, p in template.named_parameters() if ".lora_A." in name or ".lora_B." in name]
     for i in range(n):
@@ -92,7 +93,7 @@ def main():
 
     device = torch_xla.device()
     root = tempfile.mkdtemp(prefix="adapter_pool_")
-    names, adapter_bytes = save_adapters(root, args.adapters, RANK, model=shape)
+    names, adapter_bytes = save_adapters(root, args.adapters, RANK, shape=shape)
     configs = {"8 slots": (8, False), "8 slots, next batch prefetched": (8, False), "32 slots": (32, False),
                "32 slots, next batch prefetched": (32, False),
                f"{args.adapters} slots, all resident": (args.adapters, True)}
@@ -150,43 +151,67 @@ def main():
                           "adapter kB to device / step", "all kB to device / step (OutboundData)"], rows))
     print(f"\nkB to device per swapped adapter / one adapter's {adapter_bytes / 1e3:.0f} kB: " + ", ".join(
         f"{label}: {t['bytes'] / t['loads'] / adapter_bytes:.3f}" for label, t in totals.items() if t["loads"]))
-    print("\n" + swap_write_table(served_by, names, ["8 slots", "32 slots"], adapter_bytes, device))
+    twins = {label: traced_twin(root, names, served_by[label][0].num_slots, device, shape, stream)
+             for label in ("8 slots", "32 slots")}
+    print("\n" + swap_write_table(served_by, twins, names, adapter_bytes, device))
 
 
-def swap_write_table(served_by, names, labels, adapter_bytes: int, device, swaps: int = 16) -> str:
+def traced_twin(root, names, slots: int, device, shape, stream):
+    """The same served model whose swaps trace their writes on every call (the generic
+    ``Runtime.write_program``: ops, then a sync), not the program compiled once that XLA's runtime makes:
+    made and warmed with the runtime's method replaced, so every swap program it keeps is the traced one."""
+    from unittest import mock
+
+    import torch
+    from xla_lora_pass import runtimes
+
+    with mock.patch.object(type(runtimes.for_device(device)), "write_program", runtimes.Runtime.write_program):
+        meta, compiled = served(root, names, slots, False, device, shape)
+        for rows, ids in stream[:10]:
+            meta.set_request_adapters(rows)
+            with torch.no_grad():
+                compiled(input_ids=ids.to(device)).logits.cpu()
+    return meta
+
+
+def swap_write_table(served_by, twins, names, adapter_bytes: int, device, swaps: int = 16) -> str:
     """Per slot count: a swap of an adapter already read and staged on the host (``prefetch(wait=True)``),
-    against copying the same bytes to the device, interleaved swap by swap: once as one host tensor
-    (``.to(device)``) and once as the swap sends them (one call, ``Runtime.send``); each timed until the
-    device is done (``wait_device_ops``)."""
+    against the same swap with its writes traced on every call (``twins``: ``traced_twin``), and against
+    copying the same bytes to the device, interleaved swap by swap: once as one host tensor (``.to(device)``)
+    and once as the swap sends them (one call, ``Runtime.send``); each timed until the device is done
+    (``wait_device_ops``)."""
     import torch
     import torch_xla.core.xla_model as xm
     from xla_lora_pass import runtimes
 
+    def timed(fn):
+        xm.wait_device_ops()
+        start = time.perf_counter()
+        fn()
+        xm.wait_device_ops()
+        return time.perf_counter() - start
+
+    def swap_on(meta, name):
+        meta.prefetch([name], wait=True)  # read, checked and staged on the host: the swap alone is timed
+        return timed(lambda: meta.set_request_adapters([name] * ROWS))
+
     host = torch.randn(adapter_bytes // 4)
     rows = []
-    for label in labels:
+    for label, twin in twins.items():
         meta = served_by[label][0]
-        swap, whole, sent = [], [], []
-        for name in [n for n in names if n not in meta.slots][-swaps:]:
-            meta.prefetch([name], wait=True)  # read, checked and staged on the host: the swap alone is timed
-            xm.wait_device_ops()
-            start = time.perf_counter()
-            meta.set_request_adapters([name] * ROWS)
-            xm.wait_device_ops()
-            swap.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            host.to(device)
-            xm.wait_device_ops()
-            whole.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            runtimes.for_device(device).send([host], device)
-            xm.wait_device_ops()
-            sent.append(time.perf_counter() - start)
+        swap, traced, whole, sent = [], [], [], []
+        for name in [n for n in names if n not in meta.slots and n not in twin.slots][-swaps:]:
+            swap.append(swap_on(meta, name))
+            traced.append(swap_on(twin, name))
+            whole.append(timed(lambda: host.to(device)))
+            sent.append(timed(lambda: runtimes.for_device(device).send([host], device)))
         rows.append([label, meta.num_slots, f"{statistics.median(swap) * 1e3:.2f}",
+                     f"{statistics.median(traced) * 1e3:.2f}", summary([a / b for a, b in zip(swap, traced)]),
                      f"{statistics.median(whole) * 1e3:.2f}", summary([a / b for a, b in zip(swap, whole)]),
                      f"{statistics.median(sent) * 1e3:.2f}", summary([a / b for a, b in zip(swap, sent)])])
-    return markdown_table(["configuration", "slots", "ms / swap, staged (median)", "ms / copy as one tensor",
-                           "swap / copy as one tensor", "ms / copy in 64 kB pieces", "swap / copy in pieces"], rows)
+    return markdown_table(["configuration", "slots", "ms / swap, staged (median)", "ms / swap, write traced per call",
+                           "swap / traced", "ms / copy as one tensor", "swap / copy as one tensor",
+                           "ms / copy in 64 kB pieces", "swap / copy in pieces"], rows)
 
 
 if __name__ == "__main__":
