@@ -53,6 +53,7 @@ def test_mapping_accepts_names_none_and_slots(meta):
 
 @pytest.mark.parametrize("bad, error, match", [
     (["nope"], KeyError, "unknown adapter 'nope'"),
+    (["__base__"], KeyError, "the base model is None here"),
     ([3], ValueError, "slot 3 is not a loaded slot"),
     ([7], ValueError, "slot 7 is not a loaded slot"),
     ([-2], ValueError, "slot -2"),

@@ -266,7 +266,10 @@ def to_indices(entries: Union[Sequence[TokenAdapter], torch.Tensor], slots: List
             out.append(NO_LORA)
         elif isinstance(entry, str):
             if entry not in names:
-                raise KeyError(f"{caller}: {unit} {pos}: unknown adapter {entry!r}; registered: {sorted(names)}")
+                hint = (" (the base model is None here; \"__base__\" is its name in PEFT's adapter_names)"
+                        if entry == "__base__" else "")
+                raise KeyError(f"{caller}: {unit} {pos}: unknown adapter {entry!r}{hint}; "
+                               f"registered: {sorted(names)}")
             out.append(names[entry])
         elif isinstance(entry, numbers.Integral) and not isinstance(entry, bool):
             entry = int(entry)  # numpy integers too
