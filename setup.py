@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 # The package itself runs on any torch from 2.9 (off XLA the inner backend is inductor): a plain
 # `pip install -e .` keeps the torch already installed.
-BASE = ["torch>=2.9", "sympy", "tqdm"]  # tqdm: precompile's progress bar (transformers brings it too)
+BASE = ["torch>=2.9", "numpy", "sympy", "tqdm"]  # tqdm: precompile's progress bar (transformers brings it too)
 # torch_xla's C++ extension is built against one exact torch: pin both together (the "xla" extra, and every
 # extra of the torch_xla set-up the suite is developed on).
 XLA = ["torch==2.9.0", "torch_xla==2.9.0"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy
 import torch
 
 from .. import runtimes
@@ -136,7 +137,7 @@ class SlotSwap:
         staged = [s if s is not None and s.shape == shape else self._staged(r, shape) for s, r in zip(staged, rows)]
         batch, first = len(slots), staged[0]
         runtime = runtimes.for_device(self.device)
-        outgoing = [torch.cat([s.buffers[d] for s in staged]) if batch > 1 else first.buffers[d] for d in first.buffers]
+        outgoing = [_host_cat([s.buffers[d] for s in staged]) if batch > 1 else first.buffers[d] for d in first.buffers]
         # The slot numbers are a device input of the program, not constants of it.
         outgoing.append(torch.tensor(list(slots)))
         pieces = runtime.send(outgoing, self.device)
@@ -256,7 +257,25 @@ def _pack(pieces: Iterable[torch.Tensor]) -> Tuple[Dict[torch.dtype, torch.Tenso
         filled[p.dtype] = offsets[-1] + p.numel()
     # A new tensor even for one piece: on the CPU the "device" buffer may be this one, and the stacks are
     # written from it.
-    return {dtype: torch.cat(flats) for dtype, flats in by_dtype.items()}, offsets
+    return {dtype: _host_cat(flats) for dtype, flats in by_dtype.items()}, offsets
+
+
+def _host_cat(flats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of 1-d host tensors of one dtype, copied by the calling thread alone (numpy's copy, on
+    the tensors' bits: numpy has no bfloat16).
+
+    ``torch.cat`` splits a copy of this size over torch's intra-op threads, and a split copy waits until each
+    of them gets a core.  Swaps are staged and written while a compiled step keeps XLA's threads on every
+    core (the prefetch thread stages during the step): 8 buffers of 0.5 MB joined 40 times next to a running
+    XLA program took a median 0.58 ms, 3.2 ms at the 90th percentile and 104 ms at worst with torch's 2
+    threads; 0.37 / 0.48 / 0.57 ms on one (2-core CPU)."""
+    dtype = flats[0].dtype
+    bits = _SAME_SIZE_INT[flats[0].element_size()]
+    joined = numpy.concatenate([f.detach().contiguous().view(bits).numpy() for f in flats])
+    return torch.from_numpy(joined).view(dtype)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 __all__ = ["SlotSwap", "Staged", "Target"]
