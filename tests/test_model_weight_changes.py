@@ -158,7 +158,7 @@ def test_weights_are_checked_once_per_generate_not_per_step(device, inner, monke
             reference.get_parameter(name).copy_(new)
     checks = []
     original = WeightWatch.changed
-    monkeypatch.setattr(WeightWatch, "changed", lambda self: checks.append(1) or original(self))
+    monkeypatch.setattr(WeightWatch, "changed", lambda self, *a: checks.append(1) or original(self, *a))
     ids = IDS[:2, :5]
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -171,6 +171,36 @@ def test_weights_are_checked_once_per_generate_not_per_step(device, inner, monke
         with reference.disable_adapter():
             want_base = reference.generate(input_ids=ids[1:], **kw)
     assert torch.equal(got, torch.cat([want_chat, want_base]))
+
+
+def test_a_call_checks_the_mapped_adapters_only_and_reads_a_change_once_mapped(device, inner, monkeypatch):
+    """A compiled call compares the watched tensors of the adapters its mapping names, not every adapter's;
+    a change to an unmapped adapter stays unread (its slot adds nothing) until a call maps it, which
+    serves it."""
+    from xla_lora_pass.metadata.weight_watch import WeightWatch
+
+    model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
+    reference = copy.deepcopy(model)
+    meta, compiled = _serve(model, device, inner, rows=["sql", None, "sql"])
+    _run(compiled, device)  # compiled: a new graph checks every adapter before its rewrite
+    asked = []
+    original = WeightWatch.changed
+    monkeypatch.setattr(WeightWatch, "changed", lambda self, adapters=None: asked.append(
+        None if adapters is None else sorted(adapters)) or original(self, adapters))
+    gen = torch.Generator().manual_seed(9)
+    for name in [n for n, _ in model.named_parameters() if ".lora_B.chat." in n]:
+        new = torch.randn(model.get_parameter(name).shape, generator=gen)
+        with torch.no_grad():
+            model.get_parameter(name).copy_(new.to(device))
+            reference.get_parameter(name).copy_(new)
+    assert _err(_run(compiled, device), reference, ["sql", None, "sql"]) < 1e-4
+    assert asked == [["sql"]]
+    assert meta.stats["weight_refreshes"] == 0  # chat's change not read: no row maps it
+    meta.set_request_adapters(ROWS)
+    assert _err(_run(compiled, device), reference) < 1e-4  # chat's new weights served
+    assert asked[-1] == ["chat", "sql"]
+    assert meta.stats["weight_refreshes"] == 4  # chat at q and v of both layers
+    assert meta.sync_model_weights() == 0 and asked[-1] is None  # the public call checks every adapter
 
 
 def test_synced_once_reads_at_entry_and_serves_later_changes_after_exit(device, inner):

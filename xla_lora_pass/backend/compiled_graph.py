@@ -139,7 +139,7 @@ class CompiledLoRAGraph:
             return chosen(*args)
         if self.report.sites:  # the stacks this graph reads follow the model's own LoRA tensors and scalings
             self.scaling_inputs.check(self.meta, args)
-            self.meta.sync_model_weights()
+            self.meta.sync_model_weights(mapped_only=True)
         key = self.program_inputs.key(padded, args)
         if padded != bindings:  # a device whose writes compile (XLA) pads on the host: only transfers per size
             call_args = self.shapes.pad_args(args, padded, on_host=runtimes.for_inputs(args).compiles_writes)

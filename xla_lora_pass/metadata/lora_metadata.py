@@ -209,7 +209,12 @@ class LoRAMetadata(MappingFacade, DeviceFacade):
         self._excluded.refresh()
         self._model_weights.refresh()
 
-    sync_model_weights = _forward("_model_weights", ModelWeights.sync)
+    @_locked
+    def sync_model_weights(self, mapped_only: bool = False) -> int:
+        """Re-stack what changed in the model's own LoRA tensors since they were stacked; returns the number of
+        (site, adapter) pairs read again.  ``mapped_only``: only the adapters the current mapping names (what
+        a compiled call runs: with 1 of 16 adapters mapped it compares 1/16 of the tensors)."""
+        return self._model_weights.sync(self._mapped_names() if mapped_only else None)
 
     def model_weights_synced_once(self):
         """A context: within, the model's LoRA tensors are checked once, at entry, not at every compiled call

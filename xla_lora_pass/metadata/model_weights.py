@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import math
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..adapters.dora import dora_rows
 from ..adapters.records import AdapterWeights
@@ -66,13 +66,14 @@ class ModelWeights:
         except UnsupportedAdapterError:
             pass
 
-    def sync(self) -> int:
+    def sync(self, adapters: Optional[Iterable[str]] = None) -> int:
         """Re-stack what changed in the model's own LoRA tensors since they were stacked (PEFT's
-        ``hotswap_adapter``, ``load_state_dict``, an optimizer step); every compiled call runs it first.
-        Returns the number of (site, adapter) pairs read again."""
+        ``hotswap_adapter``, ``load_state_dict``, an optimizer step); every compiled call runs it first, for
+        the adapters its mapping names (``adapters``; None: every one).  Returns the number of (site, adapter)
+        pairs read again."""
         if self._held:
             return 0
-        changed = self._watch.changed()
+        changed = self._watch.changed(adapters)
         if not changed:
             return 0
         reads = {adapter: self._read(adapter, sites) for adapter, sites in changed.items()}  # all checks first

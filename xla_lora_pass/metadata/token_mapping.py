@@ -54,12 +54,14 @@ class TokenMapping:
         self._tokens: Optional[torch.Tensor] = None  # per flattened token (set_token_adapters)
         self._rows: Optional[torch.Tensor] = None  # per batch row (set_request_adapters)
         self._key: Hashable = None  # what the current mapping was set from (is_current)
+        self._mapped: Optional[frozenset] = None
         self.warming_up = False
         self.cache = StepCache()
 
     def _set(self, tokens: Optional[torch.Tensor], rows: Optional[torch.Tensor], key: Hashable = None) -> None:
         """The one place the mapping changes, so nothing built from the old one survives it."""
         self._tokens, self._rows, self._key = tokens, rows, key
+        self._mapped = None  # mapped_slots, once asked
         self.cache.clear()
 
     def is_current(self, key: Hashable) -> bool:
@@ -110,9 +112,14 @@ class TokenMapping:
         return self._tokens is not None or self._rows is not None
 
     def mapped_slots(self) -> Optional[set]:
-        """The slots (and -1) the current mapping uses, or None without a mapping."""
+        """The slots (and -1) the current mapping uses, or None without a mapping (found once per mapping: every
+        compiled call asks)."""
         current = self._tokens if self._tokens is not None else self._rows
-        return None if current is None else set(current.unique().tolist())
+        if current is None:
+            return None
+        if self._mapped is None:
+            self._mapped = frozenset(current.unique().tolist())
+        return set(self._mapped)
 
     def token_mapping(self, real_dims: Tuple[int, ...]) -> Optional[torch.Tensor]:
         """Host int32 indices, one per token of a call with token dims ``real_dims`` (row-major).

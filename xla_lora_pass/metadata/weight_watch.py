@@ -8,7 +8,10 @@ fills ``prepare_model_for_compiled_hotswap``'s scaling tensors in place;
 ``torch.utils.swap_tensors`` and ``param.data = t`` give a parameter new
 storage; a module may be replaced.  ``WeightWatch.changed`` runs before every
 compiled call and names the (site, adapter) pairs whose tensors moved since
-they were stacked, so only those are read again.
+they were stacked, so only those are read again.  A call checks only the
+adapters its mapping names: a slot no row maps adds nothing to a result, and
+an adapter changed while unmapped keeps its marks, so the first call that
+maps it reads it again.
 
 A tensor's mark is its object, version counter and storage (new shapes come with new storage,
 and its runtime says what marks it: ``Runtime.storage_marks``):
@@ -41,6 +44,7 @@ from .. import runtimes
 from ..adapters.records import SiteSpec
 
 Pair = Tuple[str, str]  # (site, adapter)
+Group = Tuple["runtimes.Runtime", List[int], List[torch.Tensor]]
 
 
 class WeightWatch:
@@ -57,8 +61,10 @@ class WeightWatch:
         self._storage: list = []
         self._copies: Dict[int, torch.Tensor] = {}  # flat index -> copy, for the host tensors
         self._kinds: List[str] = []  # each flat tensor's device type
-        # Per runtime: its flat indices and tensors, whose storage marks it reads in one call.
-        self._groups: List[Tuple[runtimes.Runtime, List[int], List[torch.Tensor]]] = []
+        # Per runtime: its flat indices and tensors, whose storage marks it reads in one call; all of them, and
+        # per adapter.
+        self._groups: List[Group] = []
+        self._adapter_groups: Dict[str, List[Group]] = {}
 
     def watch(self, sites: Iterable[SiteSpec]) -> None:
         """Watch every adapter of ``sites`` (after ``register_adapters``: all of them came from the model)."""
@@ -102,15 +108,27 @@ class WeightWatch:
         self._dirty.update(watched)
         return watched
 
-    def changed(self) -> Dict[str, List[str]]:
-        """``{adapter: [sites]}`` whose watched tensors changed since they were last stacked."""
-        bad = set(self._dirty)
-        versions, storage = [t._version for t in self._flat], self._storage_now()
-        if versions != self._versions or storage != self._storage:
-            bad.update(o for o, v, s, v0, s0 in zip(self._owner, versions, storage, self._versions, self._storage)
-                       if v != v0 or s != s0)
+    def changed(self, adapters: Optional[Iterable[str]] = None) -> Dict[str, List[str]]:
+        """``{adapter: [sites]}`` whose watched tensors changed since they were last stacked; of ``adapters``
+        only, when given (the others keep their marks, to be compared when they are asked for)."""
+        wanted = None if adapters is None else set(adapters)
+        if wanted is None or wanted.issuperset(self._adapter_groups):
+            bad, groups, copies = set(self._dirty), self._groups, self._copies
+        else:
+            bad = {pair for pair in self._dirty if pair[1] in wanted}
+            groups = [group for adapter in wanted for group in self._adapter_groups.get(adapter, ())]
+            copies = {i: c for i, c in self._copies.items() if self._owner[i][1] in wanted}
+        for runtime, at, tensors in groups:
+            versions, storage = [t._version for t in tensors], runtime.storage_marks(tensors)
+            if len(at) == len(self._flat):  # every tensor, in flat order
+                held_versions, held_storage = self._versions, self._storage
+            else:
+                held_versions, held_storage = [self._versions[i] for i in at], [self._storage[i] for i in at]
+            if versions != held_versions or storage != held_storage:  # one comparison when nothing changed
+                bad.update(self._owner[i] for i, v, s, v0, s0 in zip(at, versions, storage, held_versions,
+                                                                     held_storage) if v != v0 or s != s0)
         # A write through ``.data`` on the host keeps pointer and version: compare by value.
-        bad.update(self._owner[i] for i, copy in self._copies.items()
+        bad.update(self._owner[i] for i, copy in copies.items()
                    if self._owner[i] not in bad and not torch.equal(self._flat[i].detach(), copy))
         out: Dict[str, List[str]] = {}
         for site, adapter in sorted(bad):
@@ -140,10 +158,18 @@ class WeightWatch:
         self._storage = [s for _, s, _ in marks]
         self._copies = {i: c for i, (_, _, c) in enumerate(marks) if c is not None}
         self._kinds = [t.device.type for t in self._flat]
+        self._groups = self._grouped(range(len(self._flat)))
+        per_adapter: Dict[str, List[int]] = {}
+        for i, (_, adapter) in enumerate(self._owner):
+            per_adapter.setdefault(adapter, []).append(i)
+        self._adapter_groups = {adapter: self._grouped(at) for adapter, at in per_adapter.items()}
+
+    def _grouped(self, indices: Iterable[int]) -> List[Group]:
+        """``indices`` of the flat tensors by runtime: (runtime, indices, tensors)."""
         groups: Dict[runtimes.Runtime, List[int]] = {}
-        for i, t in enumerate(self._flat):
-            groups.setdefault(runtimes.for_device(t.device), []).append(i)
-        self._groups = [(runtime, at, [self._flat[i] for i in at]) for runtime, at in groups.items()]
+        for i in indices:
+            groups.setdefault(runtimes.for_device(self._flat[i].device), []).append(i)
+        return [(runtime, at, [self._flat[i] for i in at]) for runtime, at in groups.items()]
 
     def _storage_now(self) -> List[Optional[int]]:
         """Each tensor's storage mark, as its runtime reads it (XLA: the device data handle, None while a
