@@ -26,7 +26,7 @@ from typing import Callable, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from ..adapters.formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites
+from ..adapters.formats import DEFAULT_ADAPTER, adapter_names, iter_lora_sites, refuse_merged
 from ..adapters.records import SiteSpec
 from ..adapters.saved_modules import SavedModuleSpec, iter_saved_modules
 from ..adapters.unserved import Exclusions, refuse_unserved
@@ -113,6 +113,7 @@ class LoRAMetadata(MappingFacade, DeviceFacade):
         sites = list(iter_lora_sites(model, adapter_name))
         saved = list(iter_saved_modules(model))  # refuses, by name, a kind it cannot serve exactly
         excluded = refuse_unserved(model, exclude, adapter_names(model, sites), saved)
+        refuse_merged(sites, "register_adapters")
         saved = excluded.without_excluded(saved)
         if not sites:
             warnings.warn(f"{type(model).__name__} has no LoRA layers: the backend will compile it unchanged",
@@ -204,7 +205,10 @@ class LoRAMetadata(MappingFacade, DeviceFacade):
 
         ``model.to(xla_device)`` replaces Parameter objects, so identities
         taken at registration go stale; the rewrite refreshes once per graph.
+        Refuses the graph when a registered layer has merged an adapter since
+        (Dynamo traces again after a merge: the layers' forwards branch on it).
         """
+        refuse_merged(self._adapters.sites.values(), "a graph traced after register_adapters")
         self._params.refresh(self._adapters.sites.values(), self._adapters.saved.values())
         self._excluded.refresh()
         self._model_weights.refresh()

@@ -13,7 +13,7 @@ wins; a claimed module's children are not searched again (torchtune's
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -62,6 +62,20 @@ def iter_lora_sites(model: torch.nn.Module, adapter_name: str = DEFAULT_ADAPTER)
         yield site
 
 
+def refuse_merged(sites: Iterable[SiteSpec], caller: str) -> None:
+    """Raise ``UnsupportedAdapterError`` naming every site whose layer merged an adapter into its base weight:
+    every row, the base model's too, would get it, and the stacks would add it once more on its rows."""
+    merged = {site.name: found for site in sites if site.format is not None and site.module is not None
+              for found in [site.format.merged_adapters(site)] if found}
+    if merged:
+        raise UnsupportedAdapterError(
+            f"{caller}: adapters are merged into the base weights of {len(merged)} layers ("
+            + "; ".join(f"{name}: {adapters}" for name, adapters in sorted(merged.items())[:4])
+            + (", ..." if len(merged) > 4 else "") + "), so every row would get them. Unmerge them first "
+            "(PEFT: model.unmerge_adapter(); loralib: build the layers with merge_weights=False, since eval() "
+            "merges them)")
+
+
 def adapter_names(model: torch.nn.Module, sites: List[SiteSpec]) -> list:
     """Adapter names in the order the model knows them (PEFT's ``peft_config`` order), then the rest."""
     config = getattr(model, "peft_config", None)
@@ -72,4 +86,4 @@ def adapter_names(model: torch.nn.Module, sites: List[SiteSpec]) -> list:
 
 
 __all__ = ["AdapterFormat", "DEFAULT_ADAPTER", "FORMATS", "UnsupportedAdapterError", "adapter_names", "format_of",
-           "iter_lora_sites", "register_format"]
+           "iter_lora_sites", "refuse_merged", "register_format"]

@@ -40,6 +40,11 @@ class AdapterFormat:
         """The adapters the layer adds when it runs eagerly ([] when it computes the base model only)."""
         return list(site.adapters)
 
+    def merged_adapters(self, site: SiteSpec) -> List[str]:
+        """The adapters the layer has merged into its base weight, so that every token gets them (none unless
+        the library merges: PEFT's ``merge_adapter``, loralib's ``eval()`` with ``merge_weights=True``)."""
+        return []
+
     def split_key(self, key: str) -> Optional[Tuple[str, str]]:
         """(module path, role) of one of this format's state-dict keys, or None if the key is not one."""
         raise NotImplementedError

@@ -111,6 +111,9 @@ class LoralibFormat(OneAdapterFormat):
     def is_enabled(self, module):
         return not module.merged
 
+    def merged_adapters(self, site):
+        return list(site.adapters) if site.module.merged else []
+
     def default_scaling(self, site, rank):
         if _is_merged_linear(site.module):
             rank //= sum(site.module.enable_lora)  # A holds r rows per enabled slice

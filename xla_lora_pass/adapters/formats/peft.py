@@ -135,6 +135,9 @@ class PeftFormat(AdapterFormat):
         any_w = next(iter(adapters.values()))
         return SiteSpec(path, kind, any_w.lora_a.shape[1], any_w.lora_b.shape[0], adapters, unsupported, module)
 
+    def merged_adapters(self, site):
+        return [a for layer in lora_layers(site.module) for a in (getattr(layer, "merged_adapters", None) or ())]
+
     def param_roles(self, module, site):
         for layer, adapter, a, b in _pairs(lora_layers(module), site.kind):
             if site.kind == "embedding":
