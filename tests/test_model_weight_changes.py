@@ -203,6 +203,43 @@ def test_a_call_checks_the_mapped_adapters_only_and_reads_a_change_once_mapped(d
     assert meta.sync_model_weights() == 0 and asked[-1] is None  # the public call checks every adapter
 
 
+def _replace(model, how, adapter, gen):
+    """Give ``adapter``'s q_proj of layer 0 new values by another object (or a new float scaling)."""
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    weight = q.lora_B[adapter].weight
+    new = torch.randn(weight.shape, generator=gen).to(weight.device)
+    if how == "parameter":
+        q.lora_B[adapter].weight = torch.nn.Parameter(new)
+    elif how == "load_state_dict_assign":
+        q.lora_B[adapter].load_state_dict({"weight": new}, assign=True)
+    elif how == "module":
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(weight.device)
+        with torch.no_grad():
+            linear.weight.copy_(new)
+        q.lora_B[adapter] = linear
+    else:
+        q.scaling[adapter] = 3.0
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("adapter", ["sql", "chat"], ids=["active", "inactive"])
+@pytest.mark.parametrize("how", ["parameter", "load_state_dict_assign", "module", "scaling"])
+def test_a_replaced_tensor_module_or_scaling_is_served(device, inner, how, adapter):
+    """Another object where a LoRA tensor was (a new Parameter, load_state_dict(assign=True), the adapter's
+    module replaced) or a new float scaling of an adapter the traced forward does not read: marks cannot show
+    it and Dynamo need not trace again; the next call that maps the adapter serves it (before: served the old
+    weights, up to 0.59 off eager PEFT, for the inactive adapter even after meta.sync_model_weights())."""
+    torch._dynamo.reset()  # 8 cases each trace the same forwards: not past Dynamo's recompile limit
+    model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
+    reference = copy.deepcopy(model)
+    meta, compiled = _serve(model, device, inner)
+    assert _err(_run(compiled, device), reference) < 1e-4
+    _replace(model, how, adapter, torch.Generator().manual_seed(11))
+    _replace(reference, how, adapter, torch.Generator().manual_seed(11))
+    assert _err(_run(compiled, device), reference) < 1e-4
+    assert meta.stats["weight_refreshes"] >= 1
+
+
 def test_synced_once_reads_at_entry_and_serves_later_changes_after_exit(device, inner):
     model, _ = tiny_peft_llama(adapters=(("sql", 4, 8), ("chat", 4, 8)))
     reference = copy.deepcopy(model)

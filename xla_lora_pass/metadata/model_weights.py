@@ -73,6 +73,9 @@ class ModelWeights:
         pairs read again."""
         if self._held:
             return 0
+        if self._watch.links_broken(adapters):  # an object replaced, or a float scaling moved: read again
+            self._watch.rebind(self._stacks.sites.values())
+            self._watch.mark(self._scalings_moved())
         changed = self._watch.changed(adapters)
         if not changed:
             return 0

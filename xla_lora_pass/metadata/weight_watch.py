@@ -27,8 +27,9 @@ and its runtime says what marks it: ``Runtime.storage_marks``):
 - on other devices: the data pointer and the version counter only.
 
 Objects are compared as held since the last ``rebind``; ``rebind`` (once per
-new graph, with the parameter index) reads them from the live modules again,
-which is how a replaced module or ``model.to(device)`` is seen.  Only
+new graph, with the parameter index, and when a call finds one of its links
+broken: object_links.py) reads them from the live modules again, which is how
+a replaced parameter or module, or ``model.to(device)``, is seen.  Only
 adapters whose stacked rows came from the model are watched: ``load_adapter``
 or ``add_adapter`` of the same name replaces that definition (``unwatch``).
 
@@ -42,6 +43,7 @@ import torch
 
 from .. import runtimes
 from ..adapters.records import SiteSpec
+from .object_links import Link, LinkSet, tensor_links
 
 Pair = Tuple[str, str]  # (site, adapter)
 Group = Tuple["runtimes.Runtime", List[int], List[torch.Tensor]]
@@ -65,10 +67,13 @@ class WeightWatch:
         # per adapter.
         self._groups: List[Group] = []
         self._adapter_groups: Dict[str, List[Group]] = {}
+        self._links: Dict[Pair, List[Link]] = {}  # from each watched pair's layer to its tensors and scaling
+        self._adapter_links: Dict[str, LinkSet] = {}
+        self._all_links = LinkSet(())
 
     def watch(self, sites: Iterable[SiteSpec]) -> None:
         """Watch every adapter of ``sites`` (after ``register_adapters``: all of them came from the model)."""
-        self._tensors, self._dirty, self._unwatched = {}, set(), set()
+        self._tensors, self._dirty, self._unwatched, self._links = {}, set(), set(), {}
         self.rebind(sites)
         self.accept(list(self._tensors))
 
@@ -77,8 +82,10 @@ class WeightWatch:
         self._unwatched.add(adapter)
         for pair in [p for p in self._tensors if p[1] == adapter]:
             del self._tensors[pair]
+            self._links.pop(pair, None)
             self._dirty.discard(pair)
         self._flatten()
+        self._group_links()
 
     def rebind(self, sites: Iterable[SiteSpec]) -> None:
         """Read the watched tensors from the live modules; a pair whose objects are not the ones held is changed.
@@ -91,6 +98,7 @@ class WeightWatch:
             for tensor, (adapter, _) in site.live_tensors():
                 if adapter in site.adapters and adapter not in self._unwatched:
                     live.setdefault(adapter, []).append(tensor)
+            links = tensor_links(site.module, [t for tensors in live.values() for t in tensors]) if live else {}
             for adapter, tensors in live.items():
                 pair = (site.name, adapter)
                 held = self._tensors.get(pair)
@@ -98,8 +106,26 @@ class WeightWatch:
                     self._tensors[pair] = tensors
                     self._dirty.add(pair)
                     moved = True
+                self._links[pair] = [link for t in tensors for link in links.get(id(t), ())] + [
+                    Link(container, key, container[key], True)
+                    for container, key in site.format.value_sources(site, adapter)]
         if moved:
             self._flatten()
+        self._group_links()
+
+    def links_broken(self, adapters: Optional[Iterable[str]] = None) -> bool:
+        """Whether a layer of ``adapters`` (None: every one) holds another object or scaling than when last
+        read (``rebind`` then reads them again)."""
+        if adapters is None:
+            return self._all_links.broken()
+        return any(self._adapter_links[a].broken() for a in adapters if a in self._adapter_links)
+
+    def _group_links(self) -> None:
+        per_adapter: Dict[str, List[Link]] = {}
+        for (_, adapter), links in self._links.items():
+            per_adapter.setdefault(adapter, []).extend(links)
+        self._adapter_links = {adapter: LinkSet(links) for adapter, links in per_adapter.items()}
+        self._all_links = LinkSet(link for links in self._links.values() for link in links)
 
     def mark(self, pairs: Iterable[Pair]) -> List[Pair]:
         """Count ``pairs`` as changed whatever their marks (a float scaling moved: no tensor shows it);

@@ -40,6 +40,11 @@ class AdapterFormat:
         """The adapters the layer adds when it runs eagerly ([] when it computes the base model only)."""
         return list(site.adapters)
 
+    def value_sources(self, site: SiteSpec, adapter: str) -> List[Tuple[dict, str]]:
+        """``(dictionary, key)`` of each number of ``adapter``'s at this layer that its traced forward may not
+        read (so Dynamo does not guard it) and a call must see change: PEFT's float scaling of each adapter."""
+        return []
+
     def merged_adapters(self, site: SiteSpec) -> List[str]:
         """The adapters the layer has merged into its base weight, so that every token gets them (none unless
         the library merges: PEFT's ``merge_adapter``, loralib's ``eval()`` with ``merge_weights=True``)."""

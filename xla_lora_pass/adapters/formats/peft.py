@@ -135,6 +135,11 @@ class PeftFormat(AdapterFormat):
         any_w = next(iter(adapters.values()))
         return SiteSpec(path, kind, any_w.lora_a.shape[1], any_w.lora_b.shape[0], adapters, unsupported, module)
 
+    def value_sources(self, site, adapter):
+        # A float only: a scaling tensor (compiled hotswap) is one of the watched tensors.
+        return [(layer.scaling, adapter) for layer in lora_layers(site.module)
+                if adapter in layer.scaling and not isinstance(layer.scaling[adapter], torch.Tensor)]
+
     def merged_adapters(self, site):
         return [a for layer in lora_layers(site.module) for a in (getattr(layer, "merged_adapters", None) or ())]
 
