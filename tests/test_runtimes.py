@@ -78,11 +78,22 @@ class _SetMarks(runtimes.Runtime):
         return [self.marks.get(id(t), 0) for t in tensors]
 
 
+class _NoValues:
+    """A format whose layers hold no scaling outside their tensors."""
+
+    def value_sources(self, site, adapter):
+        return []
+
+
 class _Site:
-    """What the watch reads of a registered site: its name, adapters and live tensors."""
+    """What the watch reads of a registered site: its name, adapters, layer, format and live tensors."""
 
     def __init__(self, name, tensors):
         self.name, self.adapters, self._tensors = name, set(tensors), tensors
+        self.module, self.format = torch.nn.Module(), _NoValues()
+        for adapter, ts in tensors.items():
+            for i, t in enumerate(ts):
+                self.module.register_buffer(f"{adapter}_{i}", t)
 
     def live_tensors(self):
         return [(t, (adapter, "A")) for adapter, ts in self._tensors.items() for t in ts]
