@@ -269,3 +269,23 @@ def test_precompile_generate_warms_the_programs_generate_runs(device, inner, fam
     assert meta.stats["compiles"] == warmed, "generate compiled a program precompile_generate did not warm"
     # On XLA every program of the generate counts, HF's own per-step ops (one per sequence length) included.
     assert device_compiles(device, meta) == device_before, "the warmed generate compiled programs"
+
+
+@pytest.mark.compat
+def test_t5_beam_search_runs_its_encoder_on_the_prompt_rows(device, inner):
+    """HF's generate runs an encoder-decoder's encoder once on the prompt rows and only then repeats each row
+    for its beams and returned sequences; the encoder's call gets one mapping row per prompt row, every
+    decoder step one per beam (this raised "the request mapping has 8 rows but this call has a batch of 4")."""
+    torch._dynamo.reset()
+    model = _peft_t5()  # T5's own initialisation: larger weights saturate the softmax and tie beams' scores
+    ids, mask = _t5_prompts()
+    refs = [generate_rows(model, ids, mask, rows, "dynamic", **BEAMS) for rows in ROTATIONS[:2]]
+    assert not torch.equal(refs[0], refs[1]), "the rotations must give different tokens"
+    model.to(device)
+    meta = xlp.LoRAMetadata(max_num_tokens=256)
+    meta.register_adapters(model)
+    compiled = torch.compile(model, backend=xlp.make_backend(meta, inner=inner))
+    for i, rows in enumerate(ROTATIONS[:2]):
+        out = generate_rows(compiled, ids, mask, rows, "dynamic", device, **BEAMS)
+        assert torch.equal(out, refs[i]), f"rotation {i}:\n{out}\n{refs[i]}"
+    assert meta.stats["rewrites"]["lora_linear"] >= 18

@@ -90,6 +90,7 @@ def routed_generate(route: GenerateRoute, model: torch.nn.Module, original, *arg
         return original(*args, **kwargs)
     meta = route.backend.meta
     adapter_names = kwargs.pop("adapter_names", None)
+    prompt_rows = None
     if adapter_names is not None:
         rows = request_rows(adapter_names, expansion(kwargs))  # checks adapter_names is a list first
         prompt = prompt_of(args, kwargs)
@@ -98,16 +99,21 @@ def routed_generate(route: GenerateRoute, model: torch.nn.Module, original, *arg
                 f"generate: adapter_names has {len(adapter_names)} names but the prompt has {prompt.shape[0]} rows; "
                 f"give one adapter name per prompt row ({BASE_MODEL_NAME!r} for the base model)")
         meta.set_request_adapters(rows)
+        if expansion(kwargs) > 1:
+            prompt_rows = request_rows(adapter_names)
     transformer = model.get_base_model() if hasattr(model, "get_base_model") else model
     _drop_stale_peft_hooks(model)
     route.use_static_cache(transformer, args, kwargs)
     with contextlib.ExitStack() as stack:
         stack.enter_context(meta.model_weights_synced_once())  # not once per step: see its doc
         for module in _served_modules(transformer):
+            compiled = route.compiled_forward(module)
+            if module is not transformer and prompt_rows is not None:  # an encoder, run on the prompt rows
+                compiled = _on_prompt_rows(meta, compiled, prompt_rows, rows)
             if generate_mask.applies_to(module):
-                stack.enter_context(generate_mask.masks_in_program(module, route.compiled_forward(module)))
+                stack.enter_context(generate_mask.masks_in_program(module, compiled))
             else:
-                stack.enter_context(_forward_through(module, route.compiled_forward(module)))
+                stack.enter_context(_forward_through(module, compiled))
         return original(*args, **kwargs)
 
 
@@ -150,6 +156,22 @@ def _served_modules(transformer: torch.nn.Module) -> list:
         if isinstance(encoder, torch.nn.Module) and encoder is not transformer:
             modules.append(encoder)
     return modules
+
+
+def _on_prompt_rows(meta, compiled, prompt_rows: list, rows: list):
+    """``compiled`` (an encoder's forward) called with the mapping of the prompt rows, then ``rows`` again.
+
+    HF's generate runs the encoder once on the prompt, before it repeats
+    each row for its beams or returned sequences (it repeats the encoder's
+    output), so the encoder's call has one row per prompt while every
+    decoder step has ``rows``."""
+    def forward(*args, **kwargs):
+        meta.set_request_adapters(prompt_rows)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            meta.set_request_adapters(rows)
+    return forward
 
 
 def request_rows(adapter_names, copies: int = 1) -> list:
