@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import FrozenSet, Optional, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 from .kernel_spec import KernelSpec
 from .report import RewriteReport
@@ -22,6 +22,9 @@ class RewriteContext:
     token_layout: Optional[Tuple] = None  # example dims (int/SymInt) the mapping is laid out over
     # Nodes whose rows are token_layout flattened row-major (passes/flat_tokens.py): OPT's [B*S, H].
     flat_token_nodes: FrozenSet = frozenset()
+    # Nodes whose rows are those of a row selection of token_layout (passes/row_selections.py), to that
+    # selection: BERT's classifier after its pooler's hidden[:, 0].
+    row_selections: Dict = dataclasses.field(default_factory=dict)
     num_slots: int = 1  # adapter slots of every site (the sorted kernel sizes its layout for them and the base)
 
     @property

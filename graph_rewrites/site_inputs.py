@@ -4,8 +4,9 @@ The token layout is the leading dims shared by most LoRA sites of the graph
 (``[B, S]`` for HF models, ``[T]`` for flattened tokens); the mapping is
 row-major over it, so a site on that layout flattened row-major (OPT's
 ``[B*S, H]``, proven by ``passes/flat_tokens.py``) reads the same indices.  A site whose input is a row selection of a tensor with
-that layout (``hidden[:, -k:, :]`` before ``lm_head``) gets the same
-selection applied to the index grid.
+that layout (``hidden[:, -k:, :]`` before ``lm_head``), or computed row by
+row from one (``passes/row_selections.py``: BERT's classifier after its
+pooler), gets the same selection applied to the index grid.
 """
 from __future__ import annotations
 
@@ -118,11 +119,16 @@ def site_indices(graph: fx.Graph, ctx: RewriteContext, tokens: fx.Node, flat: fx
     if dims_key(lead) == dims_key(layout) or tokens in ctx.flat_token_nodes:
         count = fx_utils.call(graph, "call_method", "size", flat, 0)
         return fx_utils.call(graph, "call_method", "narrow", idx, 0, 0, count), None
-    selection = _row_selection(tokens, layout, n_feature_dims)
+    picked = ctx.row_selections.get(tokens, tokens)  # a selection, or row-wise ops of one
+    picked_shape = _shape(picked)
+    selection = None
+    if picked_shape is not None and len(picked_shape) == len(shape) and dims_key(picked_shape[: len(lead)]) == \
+            dims_key(lead):
+        selection = _row_selection(picked, layout, n_feature_dims)
     if selection is None:
         return None, (f"its token dims {list(dims_key(lead))} are neither the graph's token layout "
-                      f"{list(dims_key(layout))}, a row selection of it, nor (by the graph's own reshapes) "
-                      "that layout flattened row-major")
+                      f"{list(dims_key(layout))}, a row selection of it (or computed row by row from one), nor (by "
+                      "the graph's own reshapes) that layout flattened row-major")
     source, index = selection
     sizes = [fx_utils.call(graph, "call_method", "size", source, d) for d in range(len(layout))]
     total = sizes[0]
@@ -142,10 +148,13 @@ def _row_selection(tokens: fx.Node, layout, n_feature_dims: int):
     source_shape = _shape(source)
     if source_shape is None or dims_key(source_shape[: len(layout)]) != dims_key(layout):
         return None
+    if isinstance(index, (int, slice)):
+        index = (index,)
     if len(source_shape) != len(layout) + n_feature_dims or not isinstance(index, tuple):
         return None
-    if len(index) != len(source_shape):
+    if len(index) > len(source_shape):
         return None
+    index = index + (slice(None),) * (len(source_shape) - len(index))  # hidden[:, 0] is hidden[:, 0, :]
     token_part, feature_part = index[: len(layout)], index[len(layout):]
     if any(p != slice(None, None, None) for p in feature_part):
         return None

@@ -129,6 +129,28 @@ def test_roberta_sequence_classification_head(device, inner):
     assert remaps == [0]
 
 
+def test_bert_sequence_classification_pooler_and_classifier(device, inner):
+    """BERT pools ``hidden[:, 0]`` through a dense layer and tanh before its saved classifier: both heads
+    read the selection's rows (graph_rewrites/passes/row_selections.py; refused as "neither the graph's token
+    layout ..." before)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(2)
+    cfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64, num_labels=3)
+    model = _peft(BertForSequenceClassification(cfg), [
+        ("sql", ["query", "value"], 4, 8, {}), ("chat", ["query", "dense"], 8, 16, {}),
+        ("code", ["value"], 2, 2, {})], task_type="SEQ_CLS")
+    ids = _ids()
+    refs = [per_row_eager(model, ids, rows).logits for rows in (ROWS, ROTATED)]
+    meta, remaps, _ = _serve(model, device, inner, [ROWS, ROTATED], lambda m: m(input_ids=ids.to(device)).logits, refs)
+    assert "base_model.model.classifier" in meta.saved_modules
+    # 2 layers x (query, value, 3 dense) + the pooler's dense (as lora_linear or lora_attach), and the classifier
+    rewrites = dict(meta.stats["rewrites"])
+    assert rewrites.pop("saved_module") == 1 and sum(rewrites.values()) == 11, rewrites
+    assert remaps == [0]
+
+
 def test_llama_sequence_classification_score(device, inner):
     """Llama's ``score`` runs on every token before HF pools the last non-pad one: served per token."""
     from transformers import LlamaForSequenceClassification

@@ -25,7 +25,7 @@ from ..transposes import reorders_dims
 
 _RESHAPES = {"reshape", "view", torch.reshape}
 # Row-wise ops: output row i is computed from row i of every token-sized tensor input.
-_ROW_WISE = {
+ROW_WISE = {
     torch._C._nn.linear, F.linear, F.layer_norm, F.rms_norm, F.relu, torch.relu, F.gelu, F.silu, F.mish,
     torch.tanh, torch.sigmoid, F.dropout, operator.add, operator.sub, operator.mul, operator.truediv,
     operator.neg, torch.add, torch.sub, torch.mul, torch.div, torch.neg,
@@ -63,17 +63,22 @@ def _flattens_layout(node: fx.Node, layout: Sequence) -> bool:
             and _same(shape[1:], source_shape[len(layout):]))
 
 
-def _row_wise_of_marked(node: fx.Node, marked: Set[fx.Node]) -> bool:
-    """A row-wise op whose token-sized inputs (same rank, same row count) are all marked, at least one."""
-    if node.target not in _ROW_WISE or not any(a in marked for a in node.all_input_nodes):
-        return False
+def row_wise_inputs(node: fx.Node) -> list:
+    """The token-sized inputs (same rank, same row count) of a row-wise op; [] for any other node."""
+    if node.op not in ("call_function", "call_method") or node.target not in ROW_WISE:
+        return []
     shape = _shape(node)
     if not shape:
-        return False
-    token_inputs = [a for a in node.all_input_nodes if (s := _shape(a)) is not None and len(s) == len(shape)
-                    and _same(s[:1], shape[:1])]
+        return []
     if node.target in (torch._C._nn.linear, F.linear, F.layer_norm, F.rms_norm):
-        token_inputs = [node.args[0]]  # weight and bias are per feature, whatever their sizes
+        return [node.args[0]]  # weight and bias are per feature, whatever their sizes
+    return [a for a in node.all_input_nodes if (s := _shape(a)) is not None and len(s) == len(shape)
+            and _same(s[:1], shape[:1])]
+
+
+def _row_wise_of_marked(node: fx.Node, marked: Set[fx.Node]) -> bool:
+    """A row-wise op whose token-sized inputs are all marked, at least one."""
+    token_inputs = row_wise_inputs(node)
     return bool(token_inputs) and all(a in marked for a in token_inputs)
 
 

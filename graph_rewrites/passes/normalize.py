@@ -21,6 +21,7 @@ from ..context import RewriteContext
 from ..site_inputs import find_token_layout
 from ..transposes import aten_attribute, is_matrix_transpose
 from .flat_tokens import flat_token_nodes
+from .row_selections import row_selections
 
 
 def normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
@@ -31,6 +32,7 @@ def normalize(gm: fx.GraphModule, ctx: RewriteContext) -> bool:
                + canonicalize_lora_embeddings(gm)) > 0
     ctx.token_layout = ctx.report.token_layout = find_token_layout(gm)
     ctx.flat_token_nodes = frozenset(flat_token_nodes(gm, ctx.token_layout))
+    ctx.row_selections = row_selections(gm, ctx.token_layout)
     return changed
 
 

@@ -43,9 +43,6 @@ class LinkSet:
         self._value_containers, self._value_keys = [l.container for l in values], [l.key for l in values]
         self._values = [l.held for l in values]
 
-    def __len__(self) -> int:
-        return len(self._ids) + len(self._values)
-
     def broken(self) -> bool:
         if list(map(id, map(dict.get, self._containers, self._keys))) != self._ids:
             return True
