@@ -20,10 +20,10 @@ class TwoLayer(nn.Module):
 
 def peft_two_layer(adapters=(("sql", 2, 4), ("chat", 4, 4)), seed=0, **lora_kw):
     """TwoLayer with one PEFT adapter per (name, rank, alpha) on ``proj``, active adapter first."""
-    return _with_peft_adapters(TwoLayer, ["proj"], adapters, seed, **lora_kw)
+    return with_peft_adapters(TwoLayer, ["proj"], adapters, seed, **lora_kw)
 
 
-def _with_peft_adapters(make_base, targets, adapters, seed, **lora_kw):
+def with_peft_adapters(make_base, targets, adapters, seed, **lora_kw):
     """``make_base()`` wrapped by PEFT with one adapter per (name, rank, alpha) on ``targets``, the first active."""
     torch.manual_seed(seed)
     model = None
@@ -172,4 +172,4 @@ class TwoStacks(nn.Module):
 
 def peft_two_stacks(adapters=(("sql", 2, 4), ("chat", 4, 4)), seed=0):
     """TwoStacks with one PEFT adapter per (name, rank, alpha) on enc, dec and head."""
-    return _with_peft_adapters(TwoStacks, ["enc", "dec", "head"], adapters, seed)
+    return with_peft_adapters(TwoStacks, ["enc", "dec", "head"], adapters, seed)

@@ -10,7 +10,7 @@ import transformers as T
 from xla_lora_pass.demo_models import tiny_llama_config
 
 from .helpers import serve_stream
-from .models import _with_peft_adapters
+from .models import with_peft_adapters
 
 ROWS = ["sql", "chat", None]
 ADAPTERS = (("sql", 4, 8), ("chat", 8, 16))
@@ -36,9 +36,9 @@ def _llama():
 
 
 MODELS = {
-    "roberta": lambda: _with_peft_adapters(_roberta, ["query", "key", "value", "dense"], ADAPTERS, 0),
-    "gpt2": lambda: _with_peft_adapters(_gpt2, ["c_attn", "c_proj", "c_fc"], ADAPTERS, 0, fan_in_fan_out=True),
-    "llama": lambda: _with_peft_adapters(_llama, ["q_proj", "k_proj", "v_proj", "o_proj"], ADAPTERS, 0),
+    "roberta": lambda: with_peft_adapters(_roberta, ["query", "key", "value", "dense"], ADAPTERS, 0),
+    "gpt2": lambda: with_peft_adapters(_gpt2, ["c_attn", "c_proj", "c_fc"], ADAPTERS, 0, fan_in_fan_out=True),
+    "llama": lambda: with_peft_adapters(_llama, ["q_proj", "k_proj", "v_proj", "o_proj"], ADAPTERS, 0),
 }
 
 

@@ -5,16 +5,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from peft import LoraConfig, get_peft_model
 
 import xla_lora_pass as xlp
 from graph_rewrites.passes.flat_tokens import flat_token_nodes
 
 from .helpers import (assert_golden, capture_graphs, check_rewrite, lora_weight_uses, normalize_gm,
                       per_adapter_reference, shrink_expand_counts)
+from .models import with_peft_adapters
 
 B, S, H = 3, 4, 16
 ROWS = ["sql", None, "chat"]
+ADAPTERS = (("sql", 4, 8), ("chat", 8, 16))  # (name, rank, alpha), the first active
 
 
 class _FlatMLP(nn.Module):
@@ -40,15 +41,7 @@ class _FlatMLP(nn.Module):
 
 
 def _model(**kw):
-    torch.manual_seed(0)
-    model = None
-    for name, r in (("sql", 4), ("chat", 8)):
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q", "k", "v", "fc1", "fc2"], init_lora_weights=False)
-        model = get_peft_model(_FlatMLP(**kw), cfg, adapter_name=name) if model is None else model
-        if name not in model.peft_config:
-            model.add_adapter(name, cfg)
-    model.set_adapter("sql")
-    return model.eval()
+    return with_peft_adapters(lambda: _FlatMLP(**kw), ["q", "k", "v", "fc1", "fc2"], ADAPTERS, 0)
 
 
 def _meta(model):

@@ -4,16 +4,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from peft import LoraConfig, get_peft_model
 
 import xla_lora_pass as xlp
 from graph_rewrites.passes.row_selections import row_selections
 
 from .golden_graphs import assert_golden, normalize_gm
 from .helpers import capture_graphs, check_rewrite, lora_weight_uses, per_adapter_reference
+from .models import with_peft_adapters
 
 B, S, H = 3, 5, 16
 ROWS = ["sql", None, "chat"]
+ADAPTERS = (("sql", 4, 8), ("chat", 8, 16))  # (name, rank, alpha), the first active
 
 
 class _PooledHead(nn.Module):
@@ -33,16 +34,7 @@ class _PooledHead(nn.Module):
 
 
 def _model(**kw):
-    torch.manual_seed(0)
-    model = None
-    for name, r in (("sql", 4), ("chat", 8)):
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q", "k", "dense", "classifier"],
-                         init_lora_weights=False)
-        model = get_peft_model(_PooledHead(**kw), cfg, adapter_name=name) if model is None else model
-        if name not in model.peft_config:
-            model.add_adapter(name, cfg)
-    model.set_adapter("sql")
-    return model.eval()
+    return with_peft_adapters(lambda: _PooledHead(**kw), ["q", "k", "dense", "classifier"], ADAPTERS, 0)
 
 
 def _meta(model):
