@@ -104,3 +104,41 @@ def test_add_adapter_under_a_name_in_a_slot_writes_the_new_definition_now(saved)
     with torch.no_grad():
         out = compiled(input_ids=ids).logits
     assert (out - eager_reference(saved["reference"], ids, ["sql", "code"])).abs().max().item() < 1e-4
+
+
+def test_a_swap_back_from_the_host_cache_reads_and_prepares_nothing(saved, monkeypatch):
+    """chat and code take turns in one slot: once each was read and swapped in, its next swap back reads no
+    directory and prepares no rows (the host cache keeps both), and every call equals eager PEFT; with
+    host_cache=0 each swap reads its directory again."""
+    from xla_lora_pass.metadata import slot_swap
+
+    torch._dynamo.reset()
+    reads, stages = [], []
+    read, stage = host_stacks.read_adapter_dir, slot_swap.SlotSwap.stage
+    monkeypatch.setattr(host_stacks, "read_adapter_dir", lambda where, path: (reads.append(path), read(where, path))[1])
+    monkeypatch.setattr(slot_swap.SlotSwap, "stage", lambda self, rows: (stages.append(1), stage(self, rows))[1])
+    meta, compiled = _serving(saved)
+    for rows in (["chat", "sql"], ["code", "sql"]) * 2:  # the first turn of each: read, and prepared for the graph
+        meta.set_request_adapters(rows)
+        assert _error(saved, compiled, rows) < 1e-4
+    assert len(reads) == 2 and stages
+    reads.clear(), stages.clear()
+    for rows in (["chat", "sql"], ["code", "sql"], ["chat", "sql"]):
+        meta.prefetch([rows[0]], wait=True)
+        meta.set_request_adapters(rows)
+        assert _error(saved, compiled, rows) < 1e-4
+    assert meta.stats["evictions"] >= 5 and reads == [] and stages == []
+
+    uncached = xlp.LoRAMetadata(max_num_tokens=64, max_slots=2, max_rank=8, host_cache=0)
+    uncached.register_adapters(saved["served"])
+    for name, path in saved["dirs"].items():
+        uncached.add_adapter(name, path)
+    for rows in (["chat", "sql"], ["code", "sql"], ["chat", "sql"]):
+        uncached.set_request_adapters(rows)
+    assert reads == [saved["dirs"]["chat"], saved["dirs"]["code"], saved["dirs"]["chat"]]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_host_cache_must_be_a_count(bad):
+    with pytest.raises(ValueError, match="host_cache must be an int >= 0"):
+        xlp.LoRAMetadata(max_num_tokens=64, host_cache=bad)

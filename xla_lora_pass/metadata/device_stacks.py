@@ -22,9 +22,7 @@ Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import threading
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -33,15 +31,16 @@ from .. import runtimes
 from .host_stacks import AdapterStacks, LoadedAdapter
 from .slot_rows import SlotRow, bucket, buckets
 from .slot_swap import SlotSwap, Target
+from .staged_swaps import StagedSwaps
 
-STAGED = 32  # swaps staged ahead at most (a prefetch reads the next batch's few adapters)
 Site = Union[str, Tuple[str, ...]]  # one site, or the sites fused on one input
 
 
 class DeviceStacks:
     """Per (site, role, device): the device copy of a host stack, annotated for SPMD after ``shard``."""
 
-    def __init__(self, stacks: AdapterStacks, count: Callable[..., None] = lambda *a, **k: None):
+    def __init__(self, stacks: AdapterStacks, count: Callable[..., None] = lambda *a, **k: None,
+                 keep_staged: int = 0):
         self._stacks = stacks
         self._count = count  # Stats.count: adapter bytes sent to the device
         self._copies: Dict[Tuple[Site, str, str], torch.Tensor] = {}
@@ -51,9 +50,8 @@ class DeviceStacks:
         self.generation = 0
         self._swaps: Dict[str, SlotSwap] = {}  # device -> the one-program write of the copies a graph sent
         self._sending = 0  # inside sending(): copies made are warmed together when it ends
-        # adapter name -> (the LoadedAdapter, {device: Staged}): swaps prepared on the prefetch thread
-        self._staged: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
-        self._staging = threading.Lock()
+        # Swaps prepared per adapter, kept for as many adapters as the host cache holds (or STAGED).
+        self._staged = StagedSwaps(stacks, keep_staged)
         self._batched = False  # batch_swaps(): swaps of several slots at once are compiled too
 
     def forget(self) -> None:
@@ -113,44 +111,9 @@ class DeviceStacks:
             self.sharding.forget()
 
     def stage(self, loaded: LoadedAdapter) -> None:
-        """The host side of ``loaded``'s next swap, done now (on the prefetch thread, without the metadata's
-        lock: it reads the stacks' shapes and the swaps, which only a re-registration replaces, and a swap
-        ignores what was staged for another): its rows as ``AdapterStacks.write`` will make them, cut and
-        packed per device (``SlotSwap.stage``)."""
-        swaps = list(self._swaps.items())
-        with self._staging:
-            entry = self._staged.get(loaded.name)
-            if entry is not None and entry[0] is loaded and all(
-                    entry[1].get(device) is not None and entry[1][device].swap is swap for device, swap in swaps):
-                return  # still prepared for the swaps there are
-        staged = {device: swap.stage([self._loaded_row(loaded, site, role) for site, role in swap.plains])
-                  for device, swap in swaps}
-        with self._staging:
-            self._staged[loaded.name] = (loaded, staged)
-            while len(self._staged) > STAGED:
-                self._staged.popitem(last=False)
-
-    def _loaded_row(self, loaded: LoadedAdapter, site: Site, role: str) -> SlotRow:
-        """The row ``AdapterStacks.write`` writes for ``loaded`` (zeros where it has none), as ``_host_row``
-        reads it."""
-        if isinstance(site, tuple):
-            return SlotRow(tuple(self._loaded_row(loaded, n, "A").parts[0] for n in site), 0)
-        host = {"A": self._stacks.host_a, "B": self._stacks.host_b, "bias": self._stacks.host_bias,
-                "dora": self._stacks.host_dora}[role](site)
-        row = torch.zeros(host.shape[1:], dtype=host.dtype)
-        if role in ("A", "B"):
-            weights = loaded.weights.get(site)
-            if weights is not None:
-                rank = weights[0].shape[0]
-                if role == "A":
-                    row[:rank] = weights[0]
-                else:
-                    row[:, :rank] = weights[1]
-            return SlotRow((row,), {"A": 0, "B": 1}[role])
-        value = (loaded.bias if role == "bias" else loaded.dora).get(site)
-        if value is not None:
-            row[...] = value
-        return SlotRow((row,), None)
+        """The host side of ``loaded``'s next swap, on every device a graph sent stacks to, done now (on the
+        prefetch thread, without the metadata's lock) and kept for its later swaps (staged_swaps.py)."""
+        self._staged.stage(loaded, dict(self._swaps))
 
     def write_slot(self, slot: int, sites: Optional[Set[str]] = None,
                    loaded: Optional[LoadedAdapter] = None) -> None:
@@ -173,9 +136,10 @@ class DeviceStacks:
         if self.sharding is not None:
             self.forget()
             return
-        with self._staging:
-            entries = [self._staged.pop(a.name, None) if a is not None else None for a in loaded]
-        staged = [e[1] if e is not None and e[0] is a else {} for e, a in zip(entries, loaded)]
+        for a in loaded:
+            if a is not None:
+                self.stage(a)  # prepared now if nothing was (kept for its next swap), else marked as used
+        staged = [self._staged.get(a) if a is not None else {} for a in loaded]
         staged += [{}] * (len(slots) - len(staged))
         # Stacks a graph sent: all of them at once (those of sites not named rewritten as they are).
         total = sum(swap.write_many(slots, staged=[s.get(device) for s in staged])

@@ -49,9 +49,11 @@ class LoRAMetadata(MappingFacade, DeviceFacade):
     """Shared multi-LoRA state: slots, stacked weights and token indices."""
 
     def __init__(self, max_num_tokens: int = 8192, *, max_slots: Optional[int] = None,
-                 max_rank: Optional[int] = None):
+                 max_rank: Optional[int] = None, host_cache: int = 16):
         if max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+        if isinstance(host_cache, bool) or not isinstance(host_cache, int) or host_cache < 0:
+            raise ValueError(f"host_cache must be an int >= 0 (adapters kept on the host), got {host_cache!r:.80}")
         self.max_num_tokens = int(max_num_tokens)
         self.max_slots = max_slots
         self.max_rank = max_rank
@@ -61,8 +63,9 @@ class LoRAMetadata(MappingFacade, DeviceFacade):
         self._params = ParamIndex()
         self._tokens = TokenMapping(self.max_num_tokens)
         self._stats = Stats()
-        self._devices = DeviceStacks(self._adapters, self._stats.count)
-        self._pool = AdapterPool(self._adapters, self._devices, self._stats, mapped=self._mapped_names)
+        self._devices = DeviceStacks(self._adapters, self._stats.count, keep_staged=host_cache)
+        self._pool = AdapterPool(self._adapters, self._devices, self._stats, mapped=self._mapped_names,
+                                 host_cache=host_cache)
         self._model_weights = ModelWeights(self._adapters, self._devices, self._pool.source, self._stats.count)
         self._excluded = Exclusions()  # adapters of other PEFT types left out by register_adapters(exclude=)
         self._model = None  # weak reference to the model registered last

@@ -137,18 +137,22 @@ class SlotSwap:
         staged = [s if s is not None and s.shape == shape else self._staged(r, shape) for s, r in zip(staged, rows)]
         batch, first = len(slots), staged[0]
         runtime = runtimes.for_device(self.device)
-        outgoing = [_host_cat([s.buffers[d] for s in staged]) if batch > 1 else first.buffers[d] for d in first.buffers]
+        # Each slot's buffer is sent as it was staged (kept for its next swap), not joined with the others on
+        # the host: the program joins the pieces of a dtype's buffers, in slot order, as one [batch * length].
+        dtypes = tuple(first.buffers)
+        sent = runtime.send([s.buffers[d] for d in dtypes for s in staged] + [torch.tensor(list(slots))],
+                            self.device)
         # The slot numbers are a device input of the program, not constants of it.
-        outgoing.append(torch.tensor(list(slots)))
-        pieces = runtime.send(outgoing, self.device)
+        pieces = [[p for ps in sent[i * batch:(i + 1) * batch] for p in ps] for i in range(len(dtypes))] + sent[-1:]
+        joined_shapes = tuple(torch.Size([batch * first.buffers[d].numel()]) for d in dtypes) + (torch.Size([batch]),)
         copies = [t.copy for t in self.targets]
         args = copies + [p for ps in pieces for p in ps]
         key = (shape, batch, first.pieces)
         program = self._programs.get(key)
         if program is None:
             # Every slot's rows have the same parts' shapes (the stacks'): slot 0's give the structure.
-            layout = _Layout(batch, tuple(first.buffers), first.offsets, first.sizes, first.pieces,
-                             _structure(self._rows(0)), tuple(t.shape for t in outgoing), tuple(map(len, pieces)))
+            layout = _Layout(batch, dtypes, first.offsets, first.sizes, first.pieces,
+                             _structure(self._rows(0)), joined_shapes, tuple(map(len, pieces)))
             write = functools.partial(self._write_program, runtime, layout)
             program = self._programs[key] = runtime.write_program(write, args, range(len(copies)))
         program(*args)
@@ -207,8 +211,8 @@ class _Layout(NamedTuple):
     sizes: Tuple[int, ...]
     pieces: tuple
     rows: Tuple[SlotRow, ...]  # the plain rows' parts as meta tensors: shapes and dtypes only
-    sent: Tuple[torch.Size, ...]  # each tensor sent (the buffers, then the slot numbers): its shape
-    counts: Tuple[int, ...]  # and the pieces it went in
+    sent: Tuple[torch.Size, ...]  # per dtype the slots' buffers joined, then the slot numbers: the shape
+    counts: Tuple[int, ...]  # and the pieces it arrived in
 
 
 def _structure(rows: Sequence[SlotRow]) -> Tuple[SlotRow, ...]:

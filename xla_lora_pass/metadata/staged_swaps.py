@@ -1,0 +1,84 @@
+"""Swaps prepared ahead: an adapter's rows cut and packed per device, kept for its next swaps.
+
+A swap's host side (its rows as ``AdapterStacks.write`` makes them, cut to
+their bucket and packed into one buffer per device: ``SlotSwap.stage``) takes
+about as long as sending them.  ``prefetch`` prepares it on its background
+thread; a swap that finds nothing prepared prepares it on the serving thread.
+Either way it is kept, by adapter name, for as long as the same
+``LoadedAdapter`` can come back (the pool's host cache returns the object it
+read), so an adapter swapped out and back in prepares nothing again.  What
+was prepared for another ``LoadedAdapter`` of the name (a new definition) or
+for swaps that a re-registration replaced is prepared anew.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Dict, Mapping
+
+import torch
+
+from .host_stacks import AdapterStacks, LoadedAdapter
+from .slot_rows import SlotRow
+from .slot_swap import SlotSwap, Staged
+
+STAGED = 32  # adapters kept prepared at least (a prefetch prepares the next batch's few); more with a host cache
+
+
+class StagedSwaps:
+    """Per adapter name: the ``LoadedAdapter`` its swaps were prepared from, and per device the ``Staged``."""
+
+    def __init__(self, stacks: AdapterStacks, keep: int = 0):
+        self._stacks = stacks
+        self._keep = max(STAGED, keep)  # least recently used first out
+        self._staged: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
+        self._lock = threading.Lock()  # the prefetch thread prepares while the serving thread swaps
+
+    def stage(self, loaded: LoadedAdapter, swaps: Mapping[str, SlotSwap]) -> None:
+        """Prepare ``loaded``'s swap for every device of ``swaps``, unless it is prepared for them already
+        (then it only counts as used).  Needs no other lock: it reads the stacks' shapes, which only a
+        re-registration changes, and a swap ignores what was prepared for another (``Staged.swap``)."""
+        with self._lock:
+            entry = self._staged.get(loaded.name)
+            if entry is not None and entry[0] is loaded and all(
+                    entry[1].get(device) is not None and entry[1][device].swap is swap
+                    for device, swap in swaps.items()):
+                self._staged.move_to_end(loaded.name)
+                return
+        staged = {device: swap.stage([self._loaded_row(loaded, site, role) for site, role in swap.plains])
+                  for device, swap in swaps.items()}
+        with self._lock:
+            self._staged[loaded.name] = (loaded, staged)
+            while len(self._staged) > self._keep:
+                self._staged.popitem(last=False)
+
+    def get(self, loaded: LoadedAdapter) -> Dict[str, Staged]:
+        """What was prepared for ``loaded`` (this object), by device; empty if nothing was."""
+        with self._lock:
+            entry = self._staged.get(loaded.name)
+        return entry[1] if entry is not None and entry[0] is loaded else {}
+
+    def _loaded_row(self, loaded: LoadedAdapter, site, role: str) -> SlotRow:
+        """The row ``AdapterStacks.write`` writes for ``loaded`` (zeros where it has none), as
+        ``DeviceStacks`` reads a host row."""
+        if isinstance(site, tuple):
+            return SlotRow(tuple(self._loaded_row(loaded, n, "A").parts[0] for n in site), 0)
+        host = {"A": self._stacks.host_a, "B": self._stacks.host_b, "bias": self._stacks.host_bias,
+                "dora": self._stacks.host_dora}[role](site)
+        row = torch.zeros(host.shape[1:], dtype=host.dtype)
+        if role in ("A", "B"):
+            weights = loaded.weights.get(site)
+            if weights is not None:
+                rank = weights[0].shape[0]
+                if role == "A":
+                    row[:rank] = weights[0]
+                else:
+                    row[:, :rank] = weights[1]
+            return SlotRow((row,), {"A": 0, "B": 1}[role])
+        value = (loaded.bias if role == "bias" else loaded.dora).get(site)
+        if value is not None:
+            row[...] = value
+        return SlotRow((row,), None)
+
+
+__all__ = ["STAGED", "StagedSwaps"]
