@@ -42,14 +42,18 @@ class SlotRow(NamedTuple):
             return int(any(bool(_nonzero(p).any()) for p in self.parts))
         return max(_rows_in_use(p, self.dim) for p in self.parts)
 
+    def uses(self, row: int) -> bool:
+        """Whether some part holds a nonzero value in rank row ``row`` (a part that narrow has none)."""
+        return any(bool(_nonzero(p.select(self.dim, row)).any()) for p in self.parts if p.shape[self.dim] > row)
+
     def piece(self, bucket: int) -> Optional[torch.Tensor]:
         """The host tensor a write of ``bucket`` rows sends (None for bucket 0: the device writes zeros)."""
         if bucket == 0:
             return None
         if self.dim is None:
             return self.parts[0]
-        return torch.cat([p.narrow(self.dim, 0, min(bucket, p.shape[self.dim])) for p in self.parts],
-                         self.dim).contiguous()
+        cut = [p.narrow(self.dim, 0, min(bucket, p.shape[self.dim])) for p in self.parts]
+        return (cut[0] if len(cut) == 1 else torch.cat(cut, self.dim)).contiguous()
 
     def full(self, sent: Optional[torch.Tensor], bucket: int, device) -> torch.Tensor:
         """The whole row on ``device`` from what was sent: each part's rows, then zeros up to its width."""

@@ -29,10 +29,12 @@ def stack_bias(site: SiteSpec, slots) -> torch.Tensor:
 def write_slot_rows(stack_a, stack_b, slot: int, lora_a: torch.Tensor, scaled_b: torch.Tensor) -> None:
     r = lora_a.shape[0]
     with torch.no_grad():
-        stack_a[slot].zero_()
-        stack_b[slot].zero_()
-        stack_a[slot, :r] = lora_a
-        stack_b[slot, :, :r] = scaled_b
+        row_a, row_b = stack_a[slot], stack_b[slot]
+        if r < row_a.shape[0]:  # a lower rank than the site's: zeros past it (at full rank, two copies only)
+            row_a.zero_()
+            row_b.zero_()
+        row_a[:r] = lora_a
+        row_b[:, :r] = scaled_b
 
 
 def check_tensors(where: str, lora_a, lora_b) -> None:
