@@ -142,3 +142,29 @@ def test_a_swap_back_from_the_host_cache_reads_and_prepares_nothing(saved, monke
 def test_host_cache_must_be_a_count(bad):
     with pytest.raises(ValueError, match="host_cache must be an int >= 0"):
         xlp.LoRAMetadata(max_num_tokens=64, host_cache=bad)
+
+
+def test_a_state_dict_added_is_served_as_it_was_when_added(saved):
+    """The caller's tensors change in place after add_adapter(name, state): the adapter still swaps back in as
+    added, and the host stacks equal the device's (before, the kept copy shared the caller's lora_A tensors, so the
+    host stacks took the change while the swap prepared earlier sent the old rows)."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    torch._dynamo.reset()
+    meta, compiled = _serving(saved)
+    state = load_file(str(saved["dirs"]["chat"] / "adapter_model.safetensors"))
+    meta.add_adapter("chat", state, config=LoraConfig.from_pretrained(str(saved["dirs"]["chat"])))
+    for rows in (["chat", "sql"], ["code", "sql"]):  # chat in (its swap prepared), then out
+        meta.set_request_adapters(rows)
+        assert _error(saved, compiled, rows) < 1e-4
+    with torch.no_grad():
+        for tensor in state.values():
+            tensor.mul_(3.0)
+    meta.set_request_adapters(["chat", "sql"])
+    assert _error(saved, compiled, ["chat", "sql"]) < 1e-4
+    for (site, role, _), copy_ in meta.device_copies().items():
+        names = site if isinstance(site, tuple) else (site,)
+        host = (torch.cat([meta.host_stacks(n)[0] for n in names], 1) if role.startswith("A")
+                else meta.host_stacks(site)[1])
+        assert torch.equal(copy_, host.transpose(1, 2) if role.endswith("_T") else host), (site, role)

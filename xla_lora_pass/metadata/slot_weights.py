@@ -96,7 +96,9 @@ def host_slot_weights(where: str, w: AdapterWeights, dtype: torch.dtype) -> Tupl
     every token of the batch, not only its own.
     """
     with torch.no_grad():
-        lora_a = w.lora_a.detach().to("cpu", dtype)
+        # A copy even where the weights are host tensors of the dtype already (a state dict's): what a pool keeps
+        # read, and the swap it prepared from it, must not change when the caller's tensors do.
+        lora_a = w.lora_a.detach().to("cpu", dtype, copy=True)
         # Folding the scaling into B lets every adapter keep its own alpha/r.
         scaled_b = (w.lora_b.detach().to("cpu", torch.float32) * w.scaling).to(dtype)
     for what, t in (("lora_A", lora_a), (f"lora_B * scaling ({w.scaling})", scaled_b)):
