@@ -1,13 +1,16 @@
 """An adapter pool under a Zipf stream: 256 saved adapters through 8 or 32 slots, against all resident.
 
-    python bench/adapter_pool.py [--adapters 256] [--batches 60] [--reps 3] [--host-cache 16]
+    python bench/adapter_pool.py [--adapters 256] [--batches 60] [--reps 3] [--host-cache N]
+        [--host-cache-bytes B]
         [--hidden 256] [--intermediate 512] [--layers 2] [--vocab 512]
 
 One process holds served copies of one Llama (all-linear LoRA, r=16; by
 default a tiny one, hidden 256): 8 slots and 32 slots (each also with the next batch's adapters
 prefetched while a batch runs), and 256 slots with every adapter loaded before the
-stream (no swap); ``--host-cache`` adapters read stay on the host with their
-swaps prepared (``LoRAMetadata(host_cache=)``, 16 by default).  The same Zipf(1.1) stream of batches (8 requests of 32
+stream (no swap); adapters read stay on the host with their swaps prepared,
+at most ``--host-cache`` of them holding at most ``--host-cache-bytes``
+(``LoRAMetadata(host_cache=, host_cache_bytes=)``: the package's defaults, no
+count and 2 GiB, unless given).  The same Zipf(1.1) stream of batches (8 requests of 32
 tokens, each on its own adapter) runs through each, in rotating order within
 every repetition; a step is ``set_request_adapters`` (the swaps) plus the
 compiled call.  Printed: step time / all-resident step (median [min-max]
@@ -53,16 +56,17 @@ def save_adapters(root, n: int, rank: int, seed: int = 0, shape=None):
 MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512)
 
 
-def served(root, names, slots: int, resident: bool, device, shape=None, host_cache: int = 16):
+def served(root, names, slots: int, resident: bool, device, shape=None, host_cache: dict = None):
     """A compiled model (a Llama of ``shape``, default ``MODEL``) whose metadata knows every adapter by directory
-    (loaded up front if ``resident``) and keeps ``host_cache`` of them read on the host."""
+    (loaded up front if ``resident``) and keeps them read on the host within ``host_cache`` (the keywords
+    ``host_cache`` and ``host_cache_bytes`` of ``LoRAMetadata``; its defaults where absent)."""
     import torch
     import xla_lora_pass as xlp
     from xla_lora_pass.demo_models import tiny_peft_llama
 
     model, _ = tiny_peft_llama(targets=ALL_LINEAR, adapters=((names[0], RANK, RANK),), **(shape or MODEL))
     model = model.to(device)
-    meta = xlp.LoRAMetadata(max_num_tokens=512, max_slots=slots, host_cache=host_cache)
+    meta = xlp.LoRAMetadata(max_num_tokens=512, max_slots=slots, **(host_cache or {}))
     meta.register_adapters(model)
     for name in names[1:]:
         meta.add_adapter(name, f"{root}/{name}")
@@ -84,8 +88,10 @@ def main():
     parser.add_argument("--intermediate", type=int, default=MODEL["intermediate_size"])
     parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
     parser.add_argument("--vocab", type=int, default=MODEL["vocab_size"])
-    parser.add_argument("--host-cache", type=int, default=16,
-                        help="adapters kept read on the host (LoRAMetadata(host_cache=)); the package's default 16")
+    parser.add_argument("--host-cache", type=int, default=None,
+                        help="adapters kept read on the host at most (LoRAMetadata(host_cache=)); default: no count")
+    parser.add_argument("--host-cache-bytes", type=int, default=None,
+                        help="their bytes at most (LoRAMetadata(host_cache_bytes=)); default: the package's 2 GiB")
     args = parser.parse_args()
     shape = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                  vocab_size=args.vocab)
@@ -100,7 +106,9 @@ def main():
     configs = {"8 slots": (8, False), "8 slots, next batch prefetched": (8, False), "32 slots": (32, False),
                "32 slots, next batch prefetched": (32, False),
                f"{args.adapters} slots, all resident": (args.adapters, True)}
-    served_by = {label: served(root, names, *cfg, device, shape, args.host_cache) for label, cfg in configs.items()}
+    host_cache = {k: v for k, v in (("host_cache", args.host_cache), ("host_cache_bytes", args.host_cache_bytes))
+                  if v is not None}
+    served_by = {label: served(root, names, *cfg, device, shape, host_cache) for label, cfg in configs.items()}
     weights = torch.tensor([1.0 / (i + 1) ** 1.1 for i in range(len(names))])
     gen = torch.Generator().manual_seed(0)
     stream = [([names[i] for i in torch.multinomial(weights, ROWS, replacement=True, generator=gen).tolist()],
@@ -149,7 +157,7 @@ def main():
     print(f"\nLlama hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}; "
           f"{args.adapters} adapters (all-linear r={RANK}, {adapter_bytes / 1e6:.2f} MB each), Zipf(1.1) stream of "
           f"{ROWS} requests x {SEQ} tokens, {args.reps} reps x {args.batches} batches; host cache "
-          f"{args.host_cache} adapters; XLA compiles during the "
+          f"{host_cache or 'the package default (no count, 2 GiB)'}; XLA compiles during the "
           f"timed stream: {xla_compile_stats()[0] - compiles_before}\n")
     print(markdown_table(["configuration", "step ms (median)", "step / all resident", "swaps / step", "ms / swap",
                           "adapter kB to device / step", "all kB to device / step (OutboundData)"], rows))

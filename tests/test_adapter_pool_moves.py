@@ -109,7 +109,7 @@ def test_add_adapter_under_a_name_in_a_slot_writes_the_new_definition_now(saved)
 def test_a_swap_back_from_the_host_cache_reads_and_prepares_nothing(saved, monkeypatch):
     """chat and code take turns in one slot: once each was read and swapped in, its next swap back reads no
     directory and prepares no rows (the host cache keeps both), and every call equals eager PEFT; with
-    host_cache=0 each swap reads its directory again."""
+    host_cache=0, or a host_cache_bytes too small for one adapter, each swap reads its directory again."""
     from xla_lora_pass.metadata import slot_swap
 
     torch._dynamo.reset()
@@ -129,19 +129,23 @@ def test_a_swap_back_from_the_host_cache_reads_and_prepares_nothing(saved, monke
         assert _error(saved, compiled, rows) < 1e-4
     assert meta.stats["evictions"] >= 5 and reads == [] and stages == []
 
-    uncached = xlp.LoRAMetadata(max_num_tokens=64, max_slots=2, max_rank=8, host_cache=0)
-    uncached.register_adapters(saved["served"])
-    for name, path in saved["dirs"].items():
-        uncached.add_adapter(name, path)
-    for rows in (["chat", "sql"], ["code", "sql"], ["chat", "sql"]):
-        uncached.set_request_adapters(rows)
-    assert reads == [saved["dirs"]["chat"], saved["dirs"]["code"], saved["dirs"]["chat"]]
+    for bound in (dict(host_cache=0), dict(host_cache_bytes=1000)):  # fewer bytes than one adapter holds
+        reads.clear()
+        uncached = xlp.LoRAMetadata(max_num_tokens=64, max_slots=2, max_rank=8, **bound)
+        uncached.register_adapters(saved["served"])
+        for name, path in saved["dirs"].items():
+            uncached.add_adapter(name, path)
+        for rows in (["chat", "sql"], ["code", "sql"], ["chat", "sql"]):
+            uncached.set_request_adapters(rows)
+        assert reads == [saved["dirs"]["chat"], saved["dirs"]["code"], saved["dirs"]["chat"]], bound
 
 
+@pytest.mark.parametrize("key", ["host_cache", "host_cache_bytes"])
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
-def test_host_cache_must_be_a_count(bad):
-    with pytest.raises(ValueError, match="host_cache must be an int >= 0"):
-        xlp.LoRAMetadata(max_num_tokens=64, host_cache=bad)
+def test_host_cache_bounds_must_be_counts(key, bad):
+    with pytest.raises(ValueError, match=f"{key} must be None \\(no bound\\) or an int >= 0"):
+        xlp.LoRAMetadata(max_num_tokens=64, **{key: bad})
+    xlp.LoRAMetadata(max_num_tokens=64, **{key: None})  # None: no bound
 
 
 def test_a_state_dict_added_is_served_as_it_was_when_added(saved):

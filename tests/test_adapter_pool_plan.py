@@ -97,6 +97,44 @@ def test_source_host_cache_keeps_only_the_most_recent_reads(tmp_path):
     assert [n for n, _ in reads.calls] == ["a", "b", "c", "a"]  # a fell out when c was read
 
 
+def test_source_host_cache_bytes_keeps_the_most_recent_reads_that_fit(tmp_path):
+    for n in "abc":
+        _save_dir(tmp_path / n)
+    for bound, reread in ((600, []), (100, ["b"])):  # each read holds 256 bytes: 600 keep b and c, 100 none
+        reads = _Reads()
+        source = AdapterSource(reads, host_cache_bytes=bound)
+        for n in "abc":
+            source.add_dir(n, tmp_path / n)
+        for n in "abcb":
+            source.get(n)
+        assert [n for n, _ in reads.calls] == ["a", "b", "c"] + reread, bound
+
+
+def test_host_lru_bounds_count_and_bytes_least_recently_used_first():
+    from xla_lora_pass.metadata.host_lru import HostLRU
+
+    lru = HostLRU(max_items=3, max_bytes=100)
+    for key, size in (("a", 40), ("b", 40), ("c", 10)):
+        lru.put(key, key.upper(), size)
+    assert lru.get("a") == "A" and len(lru) == 3 and lru.nbytes == 90
+    lru.put("d", "D", 30)  # 120 bytes: b, the least recently used, goes
+    assert "b" not in lru and lru.nbytes == 80 and lru.get("b") is None
+    lru.put("e", "E", 1)  # 4 entries: c goes
+    assert [k for k in "acde" if k in lru] == ["a", "d", "e"]
+    lru.put("f", "F", 500)  # larger than the bound on its own: nothing is left
+    assert len(lru) == 0 and lru.nbytes == 0
+    floor = HostLRU(max_bytes=10, min_items=2)
+    for key in "xyz":
+        floor.put(key, key, 50)
+    assert [k for k in "xyz" if k in floor] == ["y", "z"] and floor.nbytes == 100
+    floor.put("y", "y2", 5)  # a put again replaces the entry and its bytes
+    assert floor.get("y") == "y2" and floor.nbytes == 55
+    floor.pop("y"), floor.pop("missing")
+    assert floor.nbytes == 50
+    floor.clear()
+    assert len(floor) == 0 and floor.nbytes == 0
+
+
 def test_kept_copies_are_returned_as_they_are_and_replace_a_directory(tmp_path):
     from xla_lora_pass.metadata.host_stacks import LoadedAdapter
 

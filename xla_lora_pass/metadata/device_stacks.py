@@ -40,7 +40,7 @@ class DeviceStacks:
     """Per (site, role, device): the device copy of a host stack, annotated for SPMD after ``shard``."""
 
     def __init__(self, stacks: AdapterStacks, count: Callable[..., None] = lambda *a, **k: None,
-                 keep_staged: int = 0):
+                 keep_staged: Tuple[Optional[int], Optional[int]] = (None, None)):
         self._stacks = stacks
         self._count = count  # Stats.count: adapter bytes sent to the device
         self._copies: Dict[Tuple[Site, str, str], torch.Tensor] = {}
@@ -50,8 +50,8 @@ class DeviceStacks:
         self.generation = 0
         self._swaps: Dict[str, SlotSwap] = {}  # device -> the one-program write of the copies a graph sent
         self._sending = 0  # inside sending(): copies made are warmed together when it ends
-        # Swaps prepared per adapter, kept for as many adapters as the host cache holds (or STAGED).
-        self._staged = StagedSwaps(stacks, keep_staged)
+        # Swaps prepared per adapter, kept under the host cache's bounds (count, bytes; at least STAGED adapters).
+        self._staged = StagedSwaps(stacks, *keep_staged)
         self._batched = False  # batch_swaps(): swaps of several slots at once are compiled too
 
     def forget(self) -> None:

@@ -33,6 +33,12 @@ class LoadedAdapter(NamedTuple):
     dora: Dict[str, torch.Tensor]  # site -> [2, out] DoRA rows
     bias: Dict[str, torch.Tensor] = {}  # site -> [out] scaled LoRA bias (a slot's snapshot; loads bring none)
 
+    @property
+    def nbytes(self) -> int:
+        """The host memory its tensors hold."""
+        tensors = [t for pair in self.weights.values() for t in pair]
+        return sum(t.nbytes for t in tensors + list(self.dora.values()) + list(self.bias.values()))
+
 
 class AdapterStacks:
     """Slots, registered sites and saved modules, and the host stacks built from them."""

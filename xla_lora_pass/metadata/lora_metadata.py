@@ -44,16 +44,24 @@ from .token_mapping import NO_LORA, TokenAdapter, TokenMapping
 
 log = logging.getLogger(__name__)
 
+# The default bound of the adapters kept read on the host (their prepared swaps take about as much again): a
+# catalogue of small adapters stays whole (bench/adapter_pool.py's 256: 134 MB), and of r=16 adapters on every
+# linear of a 1.1B Llama (22 layers, 50 MB each in float32) about 40 stay.
+HOST_CACHE_BYTES = 2 << 30
+
 
 class LoRAMetadata(MappingFacade, DeviceFacade):
     """Shared multi-LoRA state: slots, stacked weights and token indices."""
 
     def __init__(self, max_num_tokens: int = 8192, *, max_slots: Optional[int] = None,
-                 max_rank: Optional[int] = None, host_cache: int = 16):
+                 max_rank: Optional[int] = None, host_cache: Optional[int] = None,
+                 host_cache_bytes: Optional[int] = HOST_CACHE_BYTES):
         if max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
-        if isinstance(host_cache, bool) or not isinstance(host_cache, int) or host_cache < 0:
-            raise ValueError(f"host_cache must be an int >= 0 (adapters kept on the host), got {host_cache!r:.80}")
+        for what, bound, means in (("host_cache", host_cache, "how many adapters stay read on the host"),
+                                   ("host_cache_bytes", host_cache_bytes, "their bytes at most")):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+                raise ValueError(f"{what} must be None (no bound) or an int >= 0 ({means}), got {bound!r:.80}")
         self.max_num_tokens = int(max_num_tokens)
         self.max_slots = max_slots
         self.max_rank = max_rank
@@ -63,9 +71,9 @@ class LoRAMetadata(MappingFacade, DeviceFacade):
         self._params = ParamIndex()
         self._tokens = TokenMapping(self.max_num_tokens)
         self._stats = Stats()
-        self._devices = DeviceStacks(self._adapters, self._stats.count, keep_staged=host_cache)
+        self._devices = DeviceStacks(self._adapters, self._stats.count, keep_staged=(host_cache, host_cache_bytes))
         self._pool = AdapterPool(self._adapters, self._devices, self._stats, mapped=self._mapped_names,
-                                 host_cache=host_cache)
+                                 host_cache=host_cache, host_cache_bytes=host_cache_bytes)
         self._model_weights = ModelWeights(self._adapters, self._devices, self._pool.source, self._stats.count)
         self._excluded = Exclusions()  # adapters of other PEFT types left out by register_adapters(exclude=)
         self._model = None  # weak reference to the model registered last

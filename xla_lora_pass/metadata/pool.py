@@ -113,12 +113,13 @@ class AdapterPool:
     """
 
     def __init__(self, stacks: AdapterStacks, devices: DeviceStacks, stats: Stats,
-                 mapped: Callable[[], Iterable[str]] = tuple, host_cache: int = 16):
+                 mapped: Callable[[], Iterable[str]] = tuple, host_cache: Optional[int] = None,
+                 host_cache_bytes: Optional[int] = None):
         self._stacks, self._devices, self._stats, self._mapped = stacks, devices, stats, mapped
         self.source = AdapterSource(
             lambda name, path, scaling, config, where: stacks.validate(name, path, scaling=scaling, config=config,
                                                                        where=where),
-            host_cache, on_prefetched=devices.stage)
+            host_cache, on_prefetched=devices.stage, host_cache_bytes=host_cache_bytes)
         self.pinned: Set[str] = set()
         self._last_used: Dict[str, int] = {}
         self._clock = 0

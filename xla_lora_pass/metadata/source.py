@@ -8,13 +8,13 @@ serving thread only copies rows into the stacks and starts the device write.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import os
 import threading
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
 from ..errors import AdapterFileNotFoundError
+from .host_lru import HostLRU
 from .host_stacks import LoadedAdapter
 
 # validate(name, directory, scaling, config, where) -> the adapter's checked host weights (AdapterStacks.validate);
@@ -26,22 +26,25 @@ class AdapterSource:
     """Adapters by name: a directory read when needed, or a validated host copy kept as it is.
 
     ``get(name)`` returns the adapter ready for ``AdapterStacks.write``.  A
-    directory is read and validated at most once while it stays among the
-    ``host_cache`` most recently read ones (prefetched ones included).
+    directory is read and validated at most once while it stays in the host
+    cache: the most recently read ones (prefetched ones included), at most
+    ``host_cache`` of them (None: no count) holding at most ``host_cache_bytes``
+    (None: no bound).
     Thread safe: ``prefetch`` reads on one background thread.
     """
 
-    def __init__(self, validate: Validate, host_cache: int = 16,
-                 on_prefetched: Callable[[LoadedAdapter], None] = lambda loaded: None):
-        if host_cache < 0:
-            raise ValueError(f"host_cache must be >= 0, got {host_cache}")
+    def __init__(self, validate: Validate, host_cache: Optional[int] = None,
+                 on_prefetched: Callable[[LoadedAdapter], None] = lambda loaded: None,
+                 host_cache_bytes: Optional[int] = None):
+        for what, bound in (("host_cache", host_cache), ("host_cache_bytes", host_cache_bytes)):
+            if bound is not None and bound < 0:
+                raise ValueError(f"{what} must be >= 0 or None, got {bound}")
         self._validate = validate
         self._on_prefetched = on_prefetched  # more host work for a swap, on the prefetch thread (staging)
         self._dirs: Dict[str, tuple] = {}  # name -> (directory, scaling, config)
         self._kept: Dict[str, LoadedAdapter] = {}  # host copies (a state dict loaded, a slot evicted)
-        self._read: "collections.OrderedDict[str, LoadedAdapter]" = collections.OrderedDict()
+        self._read: HostLRU[LoadedAdapter] = HostLRU(host_cache, host_cache_bytes)
         self._pending: Dict[str, concurrent.futures.Future] = {}
-        self._host_cache = host_cache
         self._lock = threading.Lock()
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
@@ -52,14 +55,14 @@ class AdapterSource:
                                     "directory written by PEFT's save_pretrained, or a state dict")
         with self._lock:
             self._kept.pop(name, None)
-            self._read.pop(name, None)  # a new definition: forget what was read for the old one
+            self._read.pop(name)  # a new definition: forget what was read for the old one
             self._dirs[name] = (path, scaling, config)
 
     def keep(self, loaded: LoadedAdapter) -> None:
         """Know ``loaded.name`` as this host copy (replacing a directory of that name)."""
         with self._lock:
             self._dirs.pop(loaded.name, None)
-            self._read.pop(loaded.name, None)
+            self._read.pop(loaded.name)
             self._kept[loaded.name] = loaded
 
     def forget_copies(self) -> None:
@@ -70,8 +73,9 @@ class AdapterSource:
 
     def remove(self, name: str) -> None:
         with self._lock:
-            for table in (self._dirs, self._kept, self._read):
+            for table in (self._dirs, self._kept):
                 table.pop(name, None)
+            self._read.pop(name)
 
     def __contains__(self, name) -> bool:
         with self._lock:
@@ -95,7 +99,6 @@ class AdapterSource:
         with self._lock:
             cached = self._read.get(name)
             if cached is not None:
-                self._read.move_to_end(name)
                 return cached
             entry = self._dirs[name]
         return self._read_now(name, entry, where)
@@ -150,10 +153,8 @@ class AdapterSource:
         path, scaling, config = entry
         loaded = self._validate(name, path, scaling, config, where)
         with self._lock:
-            if self._dirs.get(name) is entry and self._host_cache:
-                self._read[name] = loaded
-                while len(self._read) > self._host_cache:
-                    self._read.popitem(last=False)
+            if self._dirs.get(name) is entry:
+                self._read.put(name, loaded, loaded.nbytes)
         return loaded
 
 
