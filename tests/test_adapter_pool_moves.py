@@ -128,6 +128,7 @@ def test_a_swap_back_from_the_host_cache_reads_and_prepares_nothing(saved, monke
         meta.set_request_adapters(rows)
         assert _error(saved, compiled, rows) < 1e-4
     assert meta.stats["evictions"] >= 5 and reads == [] and stages == []
+    _assert_host_equals_device(meta)  # a swap leaves the host copy to be written when read: it is, here
 
     for bound in (dict(host_cache=0), dict(host_cache_bytes=1000)):  # fewer bytes than one adapter holds
         reads.clear()
@@ -167,6 +168,11 @@ def test_a_state_dict_added_is_served_as_it_was_when_added(saved):
             tensor.mul_(3.0)
     meta.set_request_adapters(["chat", "sql"])
     assert _error(saved, compiled, ["chat", "sql"]) < 1e-4
+    _assert_host_equals_device(meta)
+
+
+def _assert_host_equals_device(meta):
+    """Every device stack equals the host stack it was made from (host stacks written after swaps)."""
     for (site, role, _), copy_ in meta.device_copies().items():
         names = site if isinstance(site, tuple) else (site,)
         host = (torch.cat([meta.host_stacks(n)[0] for n in names], 1) if role.startswith("A")

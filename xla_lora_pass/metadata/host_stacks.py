@@ -6,6 +6,12 @@ LoRA bias rows ``[N, out]`` (scaled) where an adapter has one, DoRA rows
 ``[N, 2, out]`` (adapters/dora.py) where one is DoRA.  ``load_adapter`` validates a
 whole adapter before it touches any slot, so a refused load changes nothing.
 
+A slot's write is kept pending until something reads the host stacks: a
+swap sends rows prepared from the adapter itself (staged_swaps.py), so in a
+serving stream the host copy is read only when a device copy is made anew
+or a slot's rows are kept (``snapshot``), and copying every site's rows at
+every swap (about a fifth of a swap's host time) would be wasted.
+
 Not locked itself: ``LoRAMetadata`` holds its lock around every call.
 """
 from __future__ import annotations
@@ -52,6 +58,7 @@ class AdapterStacks:
         self._b: Dict[str, torch.Tensor] = {}
         self._bias: Dict[str, torch.Tensor] = {}
         self._dora: Dict[str, torch.Tensor] = {}
+        self._pending: Dict[int, LoadedAdapter] = {}  # slot -> the adapter written there, not yet copied in
 
     def register(self, sites: Sequence[SiteSpec], saved: Sequence[SavedModuleSpec],
                  slots: List[Optional[str]]) -> None:
@@ -65,6 +72,7 @@ class AdapterStacks:
         self._a = {name: a for name, (a, _) in stacks.items()}
         self._b = {name: b for name, (_, b) in stacks.items()}
         self._bias, self._dora = bias, dora
+        self._pending = {}  # writes into the stacks just replaced
 
     def _stack_site(self, site: SiteSpec, slots: List[Optional[str]]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Host stacks of one site; slots whose adapter is absent here stay zero."""
@@ -84,16 +92,22 @@ class AdapterStacks:
         return self._a[site].shape[1]
 
     def host_a(self, site: str) -> torch.Tensor:
-        return self._a[site]
+        return self._written()._a[site]
 
     def host_b(self, site: str) -> torch.Tensor:
-        return self._b[site]
+        return self._written()._b[site]
 
     def host_bias(self, site: str) -> torch.Tensor:
-        return self._bias[site]
+        return self._written()._bias[site]
 
     def host_dora(self, site: str) -> torch.Tensor:
-        return self._dora[site]
+        return self._written()._dora[site]
+
+    def row_spec(self, site: str, role: str) -> Tuple[torch.Size, torch.dtype]:
+        """The shape and dtype of one slot's row (as ``host_row``), without writing what is pending: the
+        prefetch thread prepares swaps from them while the serving thread owns the stacks."""
+        stack = {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}[role][site]
+        return stack.shape[1:], stack.dtype
 
     # ------------------------------------------------------------- loading
     def validate(self, name: str, state, *, scaling: Optional[float] = None, config=None,
@@ -177,6 +191,17 @@ class AdapterStacks:
             raise ValueError(f"load_adapter({name!r}): all {len(self.slots)} slots are taken by {self.slots}; "
                              "create the metadata with a larger max_slots")
         self.slots[slot] = name
+        self._pending[slot] = loaded
+        return slot
+
+    def _written(self) -> "AdapterStacks":
+        """Copy the pending writes into the stacks (before anything reads them); returns self."""
+        pending, self._pending = self._pending, {}
+        for slot, loaded in pending.items():
+            self._copy_in(loaded, slot)
+        return self
+
+    def _copy_in(self, loaded: LoadedAdapter, slot: int) -> None:
         for site_name, stack_a in self._a.items():
             if site_name in loaded.weights:
                 write_slot_rows(stack_a, self._b[site_name], slot, *loaded.weights[site_name])
@@ -187,11 +212,11 @@ class AdapterStacks:
             bias[slot] = loaded.bias.get(site_name, 0.0)  # zeros: an adapter loaded from a state brings no bias
         for site_name, rows in self._dora.items():
             rows[slot] = loaded.dora.get(site_name, 0.0)  # zeros: a plain LoRA slot, left as the expand made it
-        return slot
 
     def snapshot(self, slot: int) -> LoadedAdapter:
         """The adapter in ``slot`` as host copies, to write back later exactly as it is now."""
         name = self.slots[slot]
+        self._written()
         weights = {site: (a[slot].clone(), self._b[site][slot].clone()) for site, a in self._a.items()}
         return LoadedAdapter(name, weights, {site: rows[slot].clone() for site, rows in self._dora.items()},
                              {site: bias[slot].clone() for site, bias in self._bias.items()})
@@ -203,6 +228,7 @@ class AdapterStacks:
 
     def host_row(self, site: str, role: str, slot: int) -> torch.Tensor:
         """One slot's row of a host stack: role "A" ``[R, in]``, "B" ``[out, R]``, "bias" or "dora"."""
+        self._written()
         return {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}[role][site][slot]
 
 

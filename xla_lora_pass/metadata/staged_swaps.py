@@ -62,19 +62,18 @@ class StagedSwaps:
         ``DeviceStacks`` reads a host row."""
         if isinstance(site, tuple):
             return SlotRow(tuple(self._loaded_row(loaded, n, "A").parts[0] for n in site), 0)
-        host = {"A": self._stacks.host_a, "B": self._stacks.host_b, "bias": self._stacks.host_bias,
-                "dora": self._stacks.host_dora}[role](site)
+        shape, dtype = self._stacks.row_spec(site, role)
         if role in ("A", "B"):
             dim = {"A": 0, "B": 1}[role]  # the rank dim of A [R, in] and of B [out, R]
             weights = loaded.weights.get(site)  # (A, scaling * B), rank r
             part = None if weights is None else weights[0 if role == "A" else 1]
-            if part is not None and part.shape == host.shape[1:] and part.dtype == host.dtype:
+            if part is not None and part.shape == shape and part.dtype == dtype:
                 return SlotRow((part,), dim)  # the site's full rank: the row is the weights as they are
-            row = torch.zeros(host.shape[1:], dtype=host.dtype)
+            row = torch.zeros(shape, dtype=dtype)
             if part is not None:
                 row.narrow(dim, 0, part.shape[dim]).copy_(part)
             return SlotRow((row,), dim)
-        row = torch.zeros(host.shape[1:], dtype=host.dtype)
+        row = torch.zeros(shape, dtype=dtype)
         value = (loaded.bias if role == "bias" else loaded.dora).get(site)
         if value is not None:
             row[...] = value
