@@ -3,6 +3,7 @@ may not leave their slot: a pin never lands on the current mapping's slots, and 
 resident adapter's directory."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,7 @@ def test_host_cache_bounds_must_be_counts(key, bad):
     with pytest.raises(ValueError, match=f"{key} must be None \\(no bound\\) or an int >= 0"):
         xlp.LoRAMetadata(max_num_tokens=64, **{key: bad})
     xlp.LoRAMetadata(max_num_tokens=64, **{key: None})  # None: no bound
+    xlp.LoRAMetadata(max_num_tokens=64, **{key: np.int64(8)})  # any integer type
 
 
 def test_a_state_dict_added_is_served_as_it_was_when_added(saved):

@@ -19,6 +19,7 @@ is all-or-nothing for other threads (docs/reliability.md).
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import warnings
 import weakref
@@ -60,8 +61,9 @@ class LoRAMetadata(MappingFacade, DeviceFacade):
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
         for what, bound, means in (("host_cache", host_cache, "how many adapters stay read on the host"),
                                    ("host_cache_bytes", host_cache_bytes, "their bytes at most")):
-            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, numbers.Integral) or bound < 0):
                 raise ValueError(f"{what} must be None (no bound) or an int >= 0 ({means}), got {bound!r:.80}")
+        host_cache, host_cache_bytes = (None if b is None else int(b) for b in (host_cache, host_cache_bytes))
         self.max_num_tokens = int(max_num_tokens)
         self.max_slots = max_slots
         self.max_rank = max_rank
