@@ -7,9 +7,10 @@ thread; a swap that finds nothing prepared prepares it on the serving thread.
 Either way it is kept, by adapter name, under the bounds of the pool's host
 cache (the same count and bytes, though never fewer than ``STAGED``
 adapters), for as long as the same ``LoadedAdapter`` can come back (the host
-cache returns the object it read), so an adapter swapped out and back in prepares nothing again.  What
-was prepared for another ``LoadedAdapter`` of the name (a new definition) or
-for swaps that a re-registration replaced is prepared anew.
+cache returns the object it read), so an adapter swapped out and back in
+prepares nothing again.  What was prepared for another ``LoadedAdapter`` of
+the name (a new definition) or for swaps that a re-registration replaced is
+prepared anew.
 """
 from __future__ import annotations
 
