@@ -172,13 +172,19 @@ class SlotSwap:
             arrived = arrived[count:]
         index = joined.pop()
         batch = layout.batch
-        # Each slot's buffer has the same layout (one shape): [batch, its length] per dtype.
-        on_device = {d: t.view(batch, -1) for d, t in zip(layout.dtypes, joined)}
+        # Each slot's buffer has the same layout: slot b's is [b * length, (b + 1) * length) of its dtype's.
+        # Cut from the 1-d buffer slot by slot, XLA folds each cut into the stack write that reads it (from the
+        # pieces it spans); narrowing a [batch, length] view of it instead made XLA:CPU join every piece first,
+        # and a one-slot program at hidden 2048 (11 stacks, 2.39 MB) ran 3.25 ms against 0.55 ms.
+        on_device = {d: (t, t.numel() // batch) for d, t in zip(layout.dtypes, joined)}
         full, at = [], iter(layout.offsets)
         for row, size, piece in zip(layout.rows, layout.sizes, layout.pieces):
             if piece is not None:
                 dtype, piece_shape = piece
-                piece = on_device[dtype].narrow(1, next(at), piece_shape.numel()).view(batch, *piece_shape)
+                flat, length = on_device[dtype]
+                offset, numel = next(at), piece_shape.numel()
+                piece = torch.stack([flat.narrow(0, b * length + offset, numel) for b in range(batch)])
+                piece = piece.view(batch, *piece_shape)
             full.append(_padded(row, piece, size, self.device, batch))
         for target, copy in zip(self.targets, copies):
             value = full[target.row]
