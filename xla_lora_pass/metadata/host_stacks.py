@@ -103,11 +103,29 @@ class AdapterStacks:
     def host_dora(self, site: str) -> torch.Tensor:
         return self._written()._dora[site]
 
-    def row_spec(self, site: str, role: str) -> Tuple[torch.Size, torch.dtype]:
-        """The shape and dtype of one slot's row (as ``host_row``), without writing what is pending: the
-        prefetch thread prepares swaps from them while the serving thread owns the stacks."""
+    def loaded_row(self, loaded: LoadedAdapter, site: str, role: str) -> torch.Tensor:
+        """The row a slot holds for ``loaded`` in one stack (role as ``host_row``): its weights zero-padded
+        to the site's rank, its bias or DoRA rows, zeros where it has none.  At the site's full rank it is
+        the adapter's own tensor (not to be written to).  Reads the stacks' shapes only, not what is
+        pending: the prefetch thread prepares swaps from these rows while the serving thread owns the
+        stacks, and a pending write is copied in through this same function (``_written``)."""
         stack = {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}[role][site]
-        return stack.shape[1:], stack.dtype
+        shape, dtype = stack.shape[1:], stack.dtype
+        if role in ("A", "B"):
+            weights = loaded.weights.get(site)  # (A [r, in], scaling * B [out, r])
+            part = None if weights is None else weights[0 if role == "A" else 1]
+            if part is not None and part.shape == shape and part.dtype == dtype:
+                return part
+            row = torch.zeros(shape, dtype=dtype)
+            if part is not None:
+                dim = 0 if role == "A" else 1  # the rank dim
+                row.narrow(dim, 0, part.shape[dim]).copy_(part)
+            return row
+        row = torch.zeros(shape, dtype=dtype)
+        value = (loaded.bias if role == "bias" else loaded.dora).get(site)
+        if value is not None:  # an adapter loaded from a state brings no bias; a plain LoRA slot no DoRA rows
+            row[...] = value
+        return row
 
     # ------------------------------------------------------------- loading
     def validate(self, name: str, state, *, scaling: Optional[float] = None, config=None,
@@ -202,16 +220,9 @@ class AdapterStacks:
         return self
 
     def _copy_in(self, loaded: LoadedAdapter, slot: int) -> None:
-        for site_name, stack_a in self._a.items():
-            if site_name in loaded.weights:
-                write_slot_rows(stack_a, self._b[site_name], slot, *loaded.weights[site_name])
-            else:
-                stack_a[slot].zero_()
-                self._b[site_name][slot].zero_()
-        for site_name, bias in self._bias.items():
-            bias[slot] = loaded.bias.get(site_name, 0.0)  # zeros: an adapter loaded from a state brings no bias
-        for site_name, rows in self._dora.items():
-            rows[slot] = loaded.dora.get(site_name, 0.0)  # zeros: a plain LoRA slot, left as the expand made it
+        for role, stacks in (("A", self._a), ("B", self._b), ("bias", self._bias), ("dora", self._dora)):
+            for site_name, stack in stacks.items():
+                stack[slot] = self.loaded_row(loaded, site_name, role)
 
     def snapshot(self, slot: int) -> LoadedAdapter:
         """The adapter in ``slot`` as host copies, to write back later exactly as it is now."""

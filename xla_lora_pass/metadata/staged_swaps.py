@@ -17,8 +17,6 @@ from __future__ import annotations
 import threading
 from typing import Dict, Mapping, Optional
 
-import torch
-
 from .host_lru import HostLRU
 from .host_stacks import AdapterStacks, LoadedAdapter
 from .slot_rows import SlotRow
@@ -59,26 +57,11 @@ class StagedSwaps:
         return entry[1] if entry is not None and entry[0] is loaded else {}
 
     def _loaded_row(self, loaded: LoadedAdapter, site, role: str) -> SlotRow:
-        """The row ``AdapterStacks.write`` writes for ``loaded`` (zeros where it has none), as
-        ``DeviceStacks`` reads a host row."""
+        """The row ``AdapterStacks`` writes for ``loaded``, cut along its rank dim as ``DeviceStacks`` reads
+        a host row (a fused group's A: one part per site)."""
         if isinstance(site, tuple):
-            return SlotRow(tuple(self._loaded_row(loaded, n, "A").parts[0] for n in site), 0)
-        shape, dtype = self._stacks.row_spec(site, role)
-        if role in ("A", "B"):
-            dim = {"A": 0, "B": 1}[role]  # the rank dim of A [R, in] and of B [out, R]
-            weights = loaded.weights.get(site)  # (A, scaling * B), rank r
-            part = None if weights is None else weights[0 if role == "A" else 1]
-            if part is not None and part.shape == shape and part.dtype == dtype:
-                return SlotRow((part,), dim)  # the site's full rank: the row is the weights as they are
-            row = torch.zeros(shape, dtype=dtype)
-            if part is not None:
-                row.narrow(dim, 0, part.shape[dim]).copy_(part)
-            return SlotRow((row,), dim)
-        row = torch.zeros(shape, dtype=dtype)
-        value = (loaded.bias if role == "bias" else loaded.dora).get(site)
-        if value is not None:
-            row[...] = value
-        return SlotRow((row,), None)
+            return SlotRow(tuple(self._stacks.loaded_row(loaded, n, "A") for n in site), 0)
+        return SlotRow((self._stacks.loaded_row(loaded, site, role),), {"A": 0, "B": 1}.get(role))
 
 
 __all__ = ["STAGED", "StagedSwaps"]
