@@ -16,6 +16,14 @@ def xla_compile_stats():
     return (0, 0.0) if data is None else (int(data[0]), float(data[1]) / 1e9)
 
 
+def xla_execute_seconds() -> float:
+    """Seconds XLA has spent executing programs so far (torch_xla's ``ExecuteTime`` metric)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("ExecuteTime")
+    return 0.0 if data is None else float(data[1]) / 1e9
+
+
 def markdown_table(header: Sequence[str], rows: List[Sequence]) -> str:
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
