@@ -29,7 +29,7 @@ import torch
 
 from .. import runtimes
 from .host_stacks import AdapterStacks, LoadedAdapter
-from .slot_rows import SlotRow, bucket, buckets
+from .slot_rows import SlotRow, bucket, buckets, slot_row
 from .slot_swap import SlotSwap, Target
 from .staged_swaps import StagedSwaps
 
@@ -175,9 +175,7 @@ class DeviceStacks:
     def _host_row(self, site: Site, role: str, slot: int) -> SlotRow:
         """One slot's host row of a (plain) stack, as parts along its rank dim; a fused group's A rows one
         part per site (concatenated along the rank, as the group's stack is)."""
-        if isinstance(site, tuple):
-            return SlotRow(tuple(self._stacks.host_row(n, "A", slot) for n in site), 0)
-        return SlotRow((self._stacks.host_row(site, role, slot),), {"A": 0, "B": 1}.get(role))
+        return slot_row(site, role, lambda name, part: self._stacks.host_row(name, part, slot))
 
     def copies(self) -> Dict[Tuple[Site, str, str], torch.Tensor]:
         """The device copies made so far, by (site, role, device) (e.g. to check their placement)."""

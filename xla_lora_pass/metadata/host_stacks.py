@@ -27,6 +27,7 @@ from ..adapters.dora import dora_rows, stack_dora
 from ..adapters.formats.peft_dir import read_adapter_dir
 from ..adapters.formats.state import split_state
 from ..adapters.saved_modules import SavedModuleSpec
+from .slot_rows import RANK_DIM
 from .slot_weights import (check_shapes, check_tensors, host_slot_weights, scaling_for, stack_bias,
                            write_slot_rows)
 
@@ -109,17 +110,16 @@ class AdapterStacks:
         the adapter's own tensor (not to be written to).  Reads the stacks' shapes only, not what is
         pending: the prefetch thread prepares swaps from these rows while the serving thread owns the
         stacks, and a pending write is copied in through this same function (``_written``)."""
-        stack = {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}[role][site]
+        stack = self._by_role()[role][site]
         shape, dtype = stack.shape[1:], stack.dtype
-        if role in ("A", "B"):
+        if role in RANK_DIM:
             weights = loaded.weights.get(site)  # (A [r, in], scaling * B [out, r])
             part = None if weights is None else weights[0 if role == "A" else 1]
             if part is not None and part.shape == shape and part.dtype == dtype:
                 return part
             row = torch.zeros(shape, dtype=dtype)
             if part is not None:
-                dim = 0 if role == "A" else 1  # the rank dim
-                row.narrow(dim, 0, part.shape[dim]).copy_(part)
+                row.narrow(RANK_DIM[role], 0, part.shape[RANK_DIM[role]]).copy_(part)
             return row
         row = torch.zeros(shape, dtype=dtype)
         value = (loaded.bias if role == "bias" else loaded.dora).get(site)
@@ -220,7 +220,7 @@ class AdapterStacks:
         return self
 
     def _copy_in(self, loaded: LoadedAdapter, slot: int) -> None:
-        for role, stacks in (("A", self._a), ("B", self._b), ("bias", self._bias), ("dora", self._dora)):
+        for role, stacks in self._by_role().items():
             for site_name, stack in stacks.items():
                 stack[slot] = self.loaded_row(loaded, site_name, role)
 
@@ -240,7 +240,11 @@ class AdapterStacks:
     def host_row(self, site: str, role: str, slot: int) -> torch.Tensor:
         """One slot's row of a host stack: role "A" ``[R, in]``, "B" ``[out, R]``, "bias" or "dora"."""
         self._written()
-        return {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}[role][site][slot]
+        return self._by_role()[role][site][slot]
+
+    def _by_role(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Each role's stacks by site: "A", "B", "bias", "dora"."""
+        return {"A": self._a, "B": self._b, "bias": self._bias, "dora": self._dora}
 
 
 __all__ = ["AdapterStacks", "LoadedAdapter"]

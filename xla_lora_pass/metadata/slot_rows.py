@@ -19,7 +19,7 @@ when all zero, not at all (buckets 1 and 0).
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import numpy
 import torch
@@ -77,6 +77,18 @@ class SlotRow(NamedTuple):
         return out[0] if len(out) == 1 else torch.cat(out, self.dim)
 
 
+RANK_DIM = {"A": 0, "B": 1}  # the rank dim of a slot's A row [R, in] and B row [out, R]; bias / DoRA rows have none
+
+
+def slot_row(site, role: str, row_of: Callable[[str, str], torch.Tensor]) -> SlotRow:
+    """One slot's row of a plain stack as parts along its rank dim, from ``row_of(site name, role)``, the
+    slot's row of one site's stack; a fused group's A (``site`` a tuple of names) one part per site,
+    concatenated along the rank as the group's stack is."""
+    if isinstance(site, tuple):
+        return SlotRow(tuple(row_of(name, "A") for name in site), RANK_DIM["A"])
+    return SlotRow((row_of(site, role),), RANK_DIM.get(role))
+
+
 def bucket(rows: int, width: int) -> int:
     """The rows a write sends for ``rows`` in use: 0, else the next power of two, at most ``width``."""
     return 0 if rows <= 0 else min(1 << (rows - 1).bit_length(), width)
@@ -108,4 +120,4 @@ def _nonzero(part: torch.Tensor) -> numpy.ndarray:
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
-__all__ = ["SlotRow", "bucket", "buckets"]
+__all__ = ["RANK_DIM", "SlotRow", "bucket", "buckets", "slot_row"]

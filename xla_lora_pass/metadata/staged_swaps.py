@@ -19,7 +19,7 @@ from typing import Dict, Mapping, Optional
 
 from .host_lru import HostLRU
 from .host_stacks import AdapterStacks, LoadedAdapter
-from .slot_rows import SlotRow
+from .slot_rows import SlotRow, slot_row
 from .slot_swap import SlotSwap, Staged
 
 STAGED = 32  # adapters kept prepared at least (a prefetch prepares the next batch's few), whatever their bytes
@@ -59,9 +59,7 @@ class StagedSwaps:
     def _loaded_row(self, loaded: LoadedAdapter, site, role: str) -> SlotRow:
         """The row ``AdapterStacks`` writes for ``loaded``, cut along its rank dim as ``DeviceStacks`` reads
         a host row (a fused group's A: one part per site)."""
-        if isinstance(site, tuple):
-            return SlotRow(tuple(self._stacks.loaded_row(loaded, n, "A") for n in site), 0)
-        return SlotRow((self._stacks.loaded_row(loaded, site, role),), {"A": 0, "B": 1}.get(role))
+        return slot_row(site, role, lambda name, part: self._stacks.loaded_row(loaded, name, part))
 
 
 __all__ = ["STAGED", "StagedSwaps"]
