@@ -55,7 +55,9 @@ def check_shapes(where: str, site: SiteSpec, max_rank: int, lora_a, lora_b) -> N
     if lora_a.dim() != 2 or lora_a.shape[1] != site.in_features or not 1 <= r <= max_rank:
         raise ValueError(
             f"{where}.lora_A: expected [r, {site.in_features}] with 1 <= r <= {max_rank} "
-            f"(the site's stacked rank), got {list(lora_a.shape)}"
+            f"(the site's stacked rank), got {list(lora_a.shape)}; the stacks are sized when the model is "
+            "registered, to the largest rank of its adapters or LoRAMetadata(max_rank=...) if larger: create "
+            "the metadata with a max_rank that covers every adapter it will load"
         )
     if list(lora_b.shape) != [site.out_features, r]:
         raise ValueError(f"{where}.lora_B: expected {[site.out_features, r]}, got {list(lora_b.shape)}")
