@@ -2,9 +2,11 @@
 warmed generate compiles.
 
     python bench/generate_loop.py [--adapters 16] [--batch 1,8,16] [--new 16] [--prompt 128] [--reps 7]
+        [--hidden 512|2048|4096] [--layers 4] [--vocab 4096]
 
 The model of ``bench/step_time.py`` (hidden 512, 4 layers, vocab 4096, random
-weights, fp32) with N PEFT adapters (r=16) on every linear; row i of a batch on
+weights, fp32; another ``--hidden`` takes bench/grid.py's layer shape of that width,
+2048: TinyLlama-1.1B's) with N PEFT adapters (r=16) on every linear; row i of a batch on
 adapter i mod N.  Side by side, interleaved (each ratio within one repetition):
 
 * ``decode step, batch 1``: one ``[1, 1]`` forward on a static cache (bench/_decode_stream.py), this backend
@@ -39,7 +41,8 @@ import torch
 from _common import xla_compile_stats, xla_execute_seconds
 from _decode_stream import Stream, static_cache
 from _timing import emit, median, ratios, summary, time_interleaved
-from step_time import VOCAB, build_models
+from grid import SHAPES
+from step_time import HIDDEN, LAYERS, VOCAB, build_models
 
 BASE = "base, openxla"
 BASE_MASK = "base, openxla, mask in program"
@@ -55,6 +58,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per configuration per repetition")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, choices=sorted({HIDDEN, *SHAPES}))
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
     args = parser.parse_args(argv)
 
     import torch_xla
@@ -68,7 +74,10 @@ def main(argv=None) -> int:
     torch._dynamo.config.accumulated_recompile_limit = 4096
     dev = torch_xla.device()
     batches = [int(b) for b in args.batch.split(",")]
-    base_cpu, peft_cpu, names = build_models(args.adapters)
+    # The default width is step_time.py's own model; another width is bench/grid.py's shape of it.
+    shape = {} if args.hidden == HIDDEN else dict(zip(("intermediate", "heads", "kv_heads"), SHAPES[args.hidden]))
+    base_cpu, peft_cpu, names = build_models(args.adapters, layers=args.layers, hidden=args.hidden,
+                                             vocab=args.vocab, **shape)
     served = copy.deepcopy(peft_cpu).to(dev)
     meta = xlp.LoRAMetadata(max_num_tokens=max(batches) * args.prompt)
     meta.register_adapters(served)
@@ -80,11 +89,12 @@ def main(argv=None) -> int:
         model.generation_config.eos_token_id = None  # random weights: every row makes `new` tokens
         model.generation_config.pad_token_id = 0
     cache_len = backend.buckets.pad_length(args.prompt + args.new)
-    result = dict(adapters=args.adapters, prompt=args.prompt, new_tokens=args.new, cache_len=cache_len)
+    result = dict(adapters=args.adapters, prompt=args.prompt, new_tokens=args.new, cache_len=cache_len,
+                  hidden=args.hidden, layers=args.layers, vocab=args.vocab)
 
     # The batch-1 decode step.
     gen = torch.Generator().manual_seed(0)
-    prompt1, step1 = torch.randint(0, VOCAB, (1, args.prompt), generator=gen), torch.randint(0, VOCAB, (1, 1), generator=gen)
+    prompt1, step1 = torch.randint(0, args.vocab, (1, args.prompt), generator=gen), torch.randint(0, args.vocab, (1, 1), generator=gen)
     meta.set_request_adapters([names[0]])
     max_len = args.prompt + 4 + args.reps * args.steps
     streams = {BASE: Stream(torch.compile(copy.deepcopy(base_cpu).to(dev), backend="openxla"), prompt1.to(dev),
@@ -115,7 +125,7 @@ def main(argv=None) -> int:
     rows_out = []
     for batch in batches:
         gen = torch.Generator().manual_seed(batch)
-        prompt = torch.randint(0, VOCAB, (batch, args.prompt), generator=gen).to(dev)
+        prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=gen).to(dev)
         mask = torch.ones_like(prompt)
         adapter_names = [names[i % len(names)] for i in range(batch)]
         base_cache = static_cache(base, cache_len, batch)
@@ -172,6 +182,8 @@ def main(argv=None) -> int:
 
     d = result["decode_step_batch1"]
     step_ms = {name: median(t) * 1e3 for name, t in d["times"].items()}
+    print(f"Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; {args.adapters} adapters r=16 on "
+          "every linear")
     print(f"decode step, batch 1: base {step_ms[BASE]:.2f} ms, {OURS} / base {summary(d['ratio'][OURS])}; "
           "median ms per step, XLA executing / the rest (the host): " + ", ".join(
               f"{name} {d['execute_s'][name] * 1e3:.2f} / {step_ms[name] - d['execute_s'][name] * 1e3:.2f}"
