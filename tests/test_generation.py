@@ -111,15 +111,6 @@ def test_generate_refuses_adapter_names_of_another_batch(llama):
         generate_rows(llama["compiled"], llama["ids"], llama["mask"], ROWS[:3], "static", llama["device"])
 
 
-def test_generate_refuses_a_growing_cache_object(llama):
-    from transformers import DynamicCache
-
-    with pytest.raises(ValueError, match="DynamicCache, which grows by one position per token.*'static'"):
-        with torch.no_grad():
-            llama["compiled"].generate(input_ids=llama["ids"].to(llama["device"]), max_new_tokens=2,
-                                       past_key_values=DynamicCache(), adapter_names=adapter_names_of(ROWS))
-
-
 def _greedy_loop(step, ids, steps):
     """Greedy tokens of a prompt then ``steps`` one-token steps; ``step(ids, position)`` returns logits."""
     tokens = [step(ids, 0)[:, -1].argmax(-1)]

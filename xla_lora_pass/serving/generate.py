@@ -20,9 +20,9 @@ registered model (``ModelServing``, made by ``make_backend``) replaces
 - checks the model's own LoRA tensors for changes once, before the first
   step (``meta.model_weights_synced_once``), not at every step.
 
-A ``past_key_values`` the caller builds is used as given if it is a
-compileable (static) cache and refused otherwise, with an error that says to
-use the static cache.
+A cache the caller builds (``past_key_values=``, or ``cache=`` from
+transformers 5.25) is used as given if it is a compileable (static) cache and
+refused otherwise, with an error that says to use the static cache.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 from ..errors import UnsupportedMappingError
 from . import generate_mask
 from .generate_args import expansion, prompt_of
-from .static_cache import use_bucketed_static_cache
+from .static_cache import generate_cache_keyword, use_bucketed_static_cache
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def warm_generate(route: GenerateRoute, model: torch.nn.Module, batch: int, prom
     ids = torch.ones(batch, prompt_length, dtype=torch.long).to(next(transformer.parameters()).device)
     served = {"input_ids": ids, "max_new_tokens": max_new_tokens}
     route.use_static_cache(transformer, (), served)  # the cache(s) a generate of these shapes gets
-    cache = served["past_key_values"]
+    cache = served[generate_cache_keyword()]
     masks = [torch.ones_like(ids)]
     if prompt_length > 1:  # a left-padded prompt: transformers 5 traces another mask path for it
         masks.append(torch.ones_like(ids).index_fill_(1, torch.tensor([0], device=ids.device), 0))
@@ -234,7 +234,7 @@ def warm_generate(route: GenerateRoute, model: torch.nn.Module, batch: int, prom
     for mask in masks + masks:
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 past_key_values=cache, **settings)
+                                 **{generate_cache_keyword(): cache}, **settings)
         # Read back as the caller will: the program that assembles the returned ids.
         getattr(out, "sequences", out).cpu()
         cache.reset()

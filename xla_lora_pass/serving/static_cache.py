@@ -15,6 +15,7 @@ encoder's length.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, MutableMapping, Optional
 
@@ -26,16 +27,31 @@ from .generate_args import batch_size, prompt_length
 # transformer -> {(length, batch, dtype, device, cross length): cache}, one such mapping per backend.
 CacheStore = MutableMapping[torch.nn.Module, dict]
 
+# The keywords HF's generate takes a cache by: ``cache`` from transformers 5.25, ``past_key_values`` before (5.25
+# still takes it, renamed with a FutureWarning, and drops it when ``cache`` is given too).
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+@functools.lru_cache(maxsize=None)
+def generate_cache_keyword() -> str:
+    """The keyword the installed transformers' ``generate`` takes a cache by (its default cache name)."""
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+    except ImportError:  # no transformers, or one without the list: the long-standing name
+        return "past_key_values"
+    return ALL_CACHE_NAMES[0] if ALL_CACHE_NAMES and ALL_CACHE_NAMES[0] in CACHE_KEYWORDS else "past_key_values"
+
 
 def use_bucketed_static_cache(transformer: torch.nn.Module, buckets: Buckets, caches: CacheStore, args,
                               kwargs) -> None:
     """Put a bucketed ``StaticCache`` into ``kwargs`` (an encoder-decoder's two; see the module doc), kept in
     ``caches``."""
-    given = kwargs.get("past_key_values")
-    if given is not None:
+    keyword = next((k for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+    if keyword is not None:
+        given = kwargs[keyword]
         if not getattr(given, "is_compileable", False):
             raise ValueError(
-                f"generate: past_key_values is a {type(given).__name__}, which grows by one position per token, "
+                f"generate: {keyword} is a {type(given).__name__}, which grows by one position per token, "
                 "so every decode step would compile a new program; pass no cache (the backend uses a static "
                 "cache of a bucketed length) or cache_implementation='static'")
         return
@@ -53,16 +69,17 @@ def use_bucketed_static_cache(transformer: torch.nn.Module, buckets: Buckets, ca
             return
         kwargs.pop("cache_implementation", None)
         decoder_total, encoder_length = lengths
-        kwargs["past_key_values"] = serving_cache(caches, transformer, buckets.pad_length(decoder_total),
-                                                  batch_size(args, kwargs), cross_attention_length=encoder_length)
+        kwargs[generate_cache_keyword()] = serving_cache(
+            caches, transformer, buckets.pad_length(decoder_total), batch_size(args, kwargs),
+            cross_attention_length=encoder_length)
         return
     length = prompt_length(args, kwargs)
     total = None if length is None else _total_length(transformer, kwargs, length)
     if total is None:
         return
     kwargs.pop("cache_implementation", None)
-    kwargs["past_key_values"] = serving_cache(caches, transformer, buckets.pad_length(total),
-                                            batch_size(args, kwargs))
+    kwargs[generate_cache_keyword()] = serving_cache(caches, transformer, buckets.pad_length(total),
+                                                     batch_size(args, kwargs))
 
 
 def _total_length(transformer, kwargs, start_length: int) -> Optional[int]:
