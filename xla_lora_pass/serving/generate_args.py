@@ -1,9 +1,15 @@
-"""What a ``generate`` call was asked for, read off its arguments: the prompt, its length, the batch it makes."""
+"""What a ``generate`` call was asked for, read off its arguments: the prompt, its length, the batch it makes,
+the cache it was given."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 import torch
+
+# The keywords a cache goes by: ``cache`` from transformers 5.25 (``generate`` and the models' forwards),
+# ``past_key_values`` before; 5.25 still takes the old name, renamed with a FutureWarning, and drops it when
+# ``cache`` is given too.
+CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
 def prompt_of(args, kwargs):
@@ -27,3 +33,10 @@ def batch_size(args, kwargs) -> int:
 def expansion(kwargs) -> int:
     """How many sequences generate makes of each prompt row (beams, or returned sequences)."""
     return max(int(kwargs.get("num_beams") or 1), int(kwargs.get("num_return_sequences") or 1))
+
+
+def given_cache(kwargs) -> Tuple[Optional[str], Any]:
+    """(keyword, cache) of the cache in ``kwargs`` under either keyword, ``cache`` first as transformers reads
+    them; (None, None) when there is none."""
+    keyword = next((k for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+    return keyword, None if keyword is None else kwargs[keyword]

@@ -32,6 +32,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from .generate_args import CACHE_KEYWORDS, given_cache
+
 GENERATE_MASK = "xla_lora_generate_mask"  # the forward's keyword for the padded mask
 
 
@@ -58,7 +60,7 @@ def last_position(kwargs: dict):
     one (transformers 5 passes no ``cache_position``; read before the forward writes the cache)."""
     if kwargs.get("cache_position") is not None:
         return kwargs["cache_position"][-1]
-    cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs["past_key_values"]
+    cache = given_cache(kwargs)[1]
     tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
     return cache.get_seq_length() + tokens.shape[1] - 1
 
@@ -81,7 +83,7 @@ class GenerateMask:
         does not apply (no 2-d mask, no static length, token types that can unmask later columns, and
         without ``cache_position`` a cache that does not count its tokens as one full-attention layer does)."""
         mask = kwargs.get("attention_mask")
-        cache = kwargs.get("past_key_values") if kwargs.get("past_key_values") is not None else kwargs.get("cache")
+        cache = given_cache(kwargs)[1]
         length = _static_length(cache) if kwargs.get("cache_position") is not None else _counted_length(cache)
         if (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(length, int)
                 or any(kwargs.get(k) is not None for k in ("token_type_ids", "mm_token_type_ids"))
@@ -143,8 +145,7 @@ def applies_to(transformer: torch.nn.Module) -> bool:
     parameters = inspect.signature(type(transformer).forward).parameters
     if "cache_position" in parameters:
         return True
-    return int(transformers.__version__.split(".")[0]) >= 5 and ("cache" in parameters
-                                                                  or "past_key_values" in parameters)
+    return int(transformers.__version__.split(".")[0]) >= 5 and any(k in parameters for k in CACHE_KEYWORDS)
 
 
 @contextlib.contextmanager

@@ -22,14 +22,10 @@ from typing import Any, MutableMapping, Optional
 import torch
 
 from ..shapes import Buckets
-from .generate_args import batch_size, prompt_length
+from .generate_args import CACHE_KEYWORDS, batch_size, given_cache, prompt_length
 
 # transformer -> {(length, batch, dtype, device, cross length): cache}, one such mapping per backend.
 CacheStore = MutableMapping[torch.nn.Module, dict]
-
-# The keywords HF's generate takes a cache by: ``cache`` from transformers 5.25, ``past_key_values`` before (5.25
-# still takes it, renamed with a FutureWarning, and drops it when ``cache`` is given too).
-CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,9 +42,8 @@ def use_bucketed_static_cache(transformer: torch.nn.Module, buckets: Buckets, ca
                               kwargs) -> None:
     """Put a bucketed ``StaticCache`` into ``kwargs`` (an encoder-decoder's two; see the module doc), kept in
     ``caches``."""
-    keyword = next((k for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+    keyword, given = given_cache(kwargs)
     if keyword is not None:
-        given = kwargs[keyword]
         if not getattr(given, "is_compileable", False):
             raise ValueError(
                 f"generate: {keyword} is a {type(given).__name__}, which grows by one position per token, "
